@@ -1,0 +1,30 @@
+"""`Agent`: produces one trajectory (a `Sample`) from a prompt sample.
+
+An agent owns the interaction pattern (one turn, reflection, tools); it calls the RolloutController
+for tokens and a Judge for rewards. Agents are plain classes with one async method, so users write
+new ones in a few lines and name them in the config by import path.
+"""
+
+from __future__ import annotations
+
+from relayrl.engine.base import SamplingParams
+from relayrl.judge import Judge
+from relayrl.rollout import RolloutController
+from relayrl.sample import Sample
+
+
+class Agent:
+    """Base class: subclasses implement `generate_sample`."""
+
+    def __init__(self, rollout_ctl: RolloutController, tokenizer, sampling: SamplingParams,
+                 judge: Judge | None = None):
+        self.rollout_ctl = rollout_ctl
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.judge = judge
+
+    async def generate_sample(self, sample: Sample) -> Sample:
+        raise NotImplementedError
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

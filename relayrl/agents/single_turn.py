@@ -1,0 +1,17 @@
+"""`SingleTurnAgent`: one engine call, then the judge (RL from verifiable rewards)."""
+
+from __future__ import annotations
+
+from relayrl.agents.base import Agent
+from relayrl.sample import Sample, Status
+
+
+class SingleTurnAgent(Agent):
+    async def generate_sample(self, sample: Sample) -> Sample:
+        out = await self.rollout_ctl.generate(sample.prompt_ids, self.sampling, rid=sample.uid)
+        sample.append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason)
+        sample.response_text = self.decode(out.output_ids)
+        if self.judge is not None:
+            await self.judge.judge(sample)
+        sample.status = Status.COMPLETED
+        return sample

@@ -1,0 +1,136 @@
+"""Build the components of a run from its config, cheapest checks first.
+
+Everything that can fail because of user input (datasets, reward function, output folder, agent
+class) is checked before any model weights are loaded, so a typo costs seconds, not minutes.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from relayrl.agents import AGENTS, Agent
+from relayrl.config import dump_yaml
+from relayrl.config.schema import Config
+from relayrl.data import DataManager, PromptBuilder, load_rows
+from relayrl.engine.base import SamplingParams
+from relayrl.engine.local import LocalEngine
+from relayrl.env import Env
+from relayrl.evaluator import Evaluator
+from relayrl.judge import Judge
+from relayrl.metrics import MetricsLogger
+from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path
+from relayrl.rollout import RolloutController
+from relayrl.scheduler import SyncScheduler
+from relayrl.trainer.controller import TrainController
+from relayrl.trainer.engine import TrainEngine
+from relayrl.utils import import_from_path
+
+
+@dataclass
+class Components:
+    cfg: Config
+    run_dir: Path
+    tokenizer: object
+    rollout_ctl: RolloutController
+    judge: Judge
+    env: Env
+    data: DataManager
+    train_ctl: TrainController
+    logger: MetricsLogger
+    eval_agent: Agent | None = None
+    eval_data: DataManager | None = None
+    evaluator: Evaluator = field(default_factory=Evaluator)
+
+    def evaluate(self) -> dict[str, float]:
+        """Generate the held-out set with the eval agent and score it (empty if no eval data)."""
+        if self.eval_data is None:
+            return {}
+        self.eval_data.reset()
+        self.env.produce_batch(self.eval_data, len(self.eval_data), agent=self.eval_agent)
+        return self.evaluator.evaluate(self.eval_data.get_batch())
+
+    def close(self) -> None:
+        self.env.close()
+        self.rollout_ctl.close()
+        self.judge.close()
+        self.logger.close()
+
+
+def new_run_dir(cfg: Config) -> Path:
+    """output_dir/name, or name-2, name-3... if taken; fails early if the folder is not writable."""
+    base = Path(cfg.run.output_dir) / cfg.run.name
+    path, n = base, 1
+    while path.exists() and any(path.iterdir()):
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / ".write_test").write_text("ok")
+        (path / ".write_test").unlink()
+    except OSError as e:
+        raise OSError(f"run.output_dir: cannot write to {path}: {e}") from e
+    return path
+
+
+def agent_class(kind: str) -> type[Agent]:
+    return AGENTS[kind] if kind in AGENTS else import_from_path(kind)
+
+
+def sampling_params(cfg: Config, temperature: float | None = None) -> SamplingParams:
+    s = cfg.sampling
+    t = s.temperature if temperature is None else temperature
+    return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=t, top_p=s.top_p if t else 1.0,
+                          top_k=s.top_k if t else 0, stop_token_ids=tuple(s.stop_token_ids))
+
+
+def build(cfg: Config) -> Components:
+    random.seed(cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    # cheap checks first: data, agent class, reward function, output folder
+    train_rows = load_rows(cfg.data.train)
+    eval_rows = load_rows(cfg.data.eval)[: cfg.eval.size] if cfg.data.eval else None
+    agent_cls = agent_class(cfg.agent.kind)
+    judge = Judge(cfg.judge.reward_fn, cfg.judge.kwargs, timeout=cfg.judge.timeout, workers=cfg.judge.workers)
+    judge.start()  # worker start-up overlaps model loading
+    run_dir = new_run_dir(cfg)
+    dump_yaml(cfg, str(run_dir / "config.yaml"))
+    # then the models
+    model_path = resolve_model_path(cfg.model.path)
+    tokenizer = load_tokenizer(model_path)
+    prompt_fn = PromptBuilder(tokenizer, cfg.data.prompt)
+    eos = eos_token_ids(tokenizer, model_path)
+    engines = [LocalEngine(load_model(model_path, dtype=cfg.engine.dtype), eos_token_ids=eos,
+                           max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.engine.max_seq_len,
+                           seed=cfg.run.seed + i) for i in range(cfg.engine.num_engines)]
+    rollout_ctl = RolloutController(engines)
+    t = cfg.train
+    engine_kw = dict(temperature=cfg.sampling.temperature, autocast_bf16=cfg.model.autocast_bf16)
+    train_engine = TrainEngine.from_pretrained(
+        model_path, dtype=cfg.model.train_dtype, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip, gradient_checkpointing=cfg.model.gradient_checkpointing, **engine_kw)
+    ref_engine = None
+    if cfg.algo.kl_coef > 0:
+        ref_model = load_model(model_path, dtype=cfg.model.train_dtype).requires_grad_(False)
+        ref_engine = TrainEngine(ref_model, **engine_kw)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    train_ctl = TrainController(train_engine, cfg.algo, cfg.train, pad_id=pad_id,
+                                max_new_tokens=cfg.sampling.max_new_tokens, ref_engine=ref_engine)
+    agent = agent_cls(rollout_ctl, tokenizer, sampling_params(cfg), judge, **cfg.agent.kwargs)
+    env = Env(agent, SyncScheduler(cfg.agent.timeout))
+    data = DataManager(train_rows, prompt_fn, group_size=cfg.data.group_size, shuffle=cfg.data.shuffle,
+                       seed=cfg.run.seed)
+    eval_agent = eval_data = None
+    if eval_rows:
+        eval_agent = agent_cls(rollout_ctl, tokenizer, sampling_params(cfg, cfg.eval.temperature), judge,
+                               **cfg.agent.kwargs)
+        eval_data = DataManager(eval_rows, prompt_fn, group_size=cfg.eval.n, shuffle=False)
+    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
+    judge.wait_ready()
+    return Components(cfg, run_dir, tokenizer, rollout_ctl, judge, env, data, train_ctl, logger,
+                      eval_agent, eval_data)

@@ -1,0 +1,28 @@
+"""Typed configs: dataclass schemas filled from YAML plus dotted ``key=value`` overrides.
+
+See `relayrl.config.loader` for the machinery and its decisions (scientific floats, numeric strings).
+"""
+
+from relayrl.config.loader import (
+    ConfigError,
+    apply_overrides,
+    check,
+    describe,
+    dump_yaml,
+    fill_missing,
+    from_dict,
+    load_config,
+    to_dict,
+)
+
+__all__ = [
+    "ConfigError",
+    "apply_overrides",
+    "check",
+    "describe",
+    "dump_yaml",
+    "fill_missing",
+    "from_dict",
+    "load_config",
+    "to_dict",
+]

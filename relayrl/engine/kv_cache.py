@@ -1,0 +1,78 @@
+"""A slot KV cache for continuous batching with Hugging Face decoder models.
+
+Each running sequence owns one slot: a row of preallocated key/value tensors per layer. Active
+sequences always occupy slots 0..n-1 (a finished sequence's slot is refilled by moving the last one
+into it), so a decode step reads `k[:n, :, :length]` as a view, with no per-step gather or
+reallocation. Sequences of different lengths share the batch; a boolean attention mask hides each
+slot's unused positions.
+
+The object is passed to the model as `past_key_values`; HF attention layers call `update()` with
+the new keys/values of the current forward and attend over what it returns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotKVCache:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 slots: int = 8, length: int = 256):
+        self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
+        self.slots, self.length = 0, 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.ensure(slots, length)
+        self._mode: tuple = ("idle",)
+
+    # ---- capacity ----------------------------------------------------------------------------
+    def ensure(self, slots: int, length: int) -> None:
+        """Grow (never shrink) to at least `slots` x `length`; existing contents are kept."""
+        if slots <= self.slots and length <= self.length:
+            return
+        new_slots, new_len = max(slots, self.slots), max(length, self.length)
+        shape = (new_slots, self.kv_heads, new_len, self.head_dim)
+        new_k = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+        new_v = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+        for old, new in zip(self.k + self.v, new_k + new_v):
+            new[: self.slots, :, : self.length] = old
+        self.k, self.v, self.slots, self.length = new_k, new_v, new_slots, new_len
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    # ---- slot bookkeeping --------------------------------------------------------------------
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` positions of slot `src` into `dst` (shared prefill, compaction)."""
+        for t in self.k + self.v:
+            t[dst, :, :length] = t[src, :, :length]
+
+    # ---- modes set by the engine before each forward -----------------------------------------
+    def prefill_into(self, slot: int) -> None:
+        """Next forward is a single-sequence prefill whose keys/values go to `slot` from position 0."""
+        self._mode = ("prefill", slot)
+
+    def decode(self, positions: torch.Tensor, kv_len: int) -> None:
+        """Next forward feeds one token per active slot 0..n-1, written at `positions` [n]."""
+        self._mode = ("decode", positions, kv_len)
+
+    # ---- the HF Cache protocol (the subset decoder models call) ------------------------------
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        mode = self._mode[0]
+        if mode == "prefill":
+            slot = self._mode[1]
+            n = key.shape[2]
+            self.k[layer_idx][slot, :, :n] = key[0]
+            self.v[layer_idx][slot, :, :n] = value[0]
+            return key, value
+        if mode == "decode":
+            positions, kv_len = self._mode[1], self._mode[2]
+            rows = torch.arange(key.shape[0])
+            self.k[layer_idx][rows, :, positions] = key[:, :, 0]
+            self.v[layer_idx][rows, :, positions] = value[:, :, 0]
+            n = key.shape[0]
+            return self.k[layer_idx][:n, :, :kv_len], self.v[layer_idx][:n, :, :kv_len]
+        raise RuntimeError("SlotKVCache.update called outside a prefill/decode step")
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # only used by HF when position_ids is None
+        raise RuntimeError("SlotKVCache needs explicit position_ids")

@@ -1,0 +1,76 @@
+"""`Evaluator` and batch metrics: what a set of finished samples says about the policy.
+
+The Evaluator does not generate; it scores a batch the Env produced (seed 002). pass@k uses the
+unbiased estimator 1 - C(n - c, k) / C(n, k) over n samples per prompt with c correct.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+
+from relayrl.sample import Sample
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn without replacement from n (c correct) is correct."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _correct(s: Sample) -> float:
+    """Correctness if the judge reported it, else reward > 0."""
+    return float(s.metrics.get("correct", float((s.reward or 0.0) > 0)))
+
+
+def groups_of(samples: list[Sample]) -> list[list[Sample]]:
+    by_gid: dict[str, list[Sample]] = defaultdict(list)
+    for s in samples:
+        by_gid[s.group_id].append(s)
+    return list(by_gid.values())
+
+
+def rollout_metrics(samples: list[Sample], prefix: str = "rollout") -> dict[str, float]:
+    """Reward, pass rate, lengths, truncation and group diversity of a batch of finished samples."""
+    if not samples:
+        return {f"{prefix}/samples": 0.0}
+    rewards = [float(s.reward or 0.0) for s in samples]
+    lengths = [len(s.response_ids) for s in samples]
+    groups = groups_of(samples)
+    mixed = [len({float(s.reward or 0.0) for s in g}) > 1 for g in groups]
+    out = {
+        f"{prefix}/reward_mean": statistics.fmean(rewards),
+        f"{prefix}/reward_std": statistics.pstdev(rewards),
+        f"{prefix}/pass_rate": statistics.fmean(_correct(s) for s in samples),
+        f"{prefix}/response_len_mean": statistics.fmean(lengths),
+        f"{prefix}/response_len_max": float(max(lengths)),
+        f"{prefix}/truncated_frac": statistics.fmean(s.finish_reason == "length" for s in samples),
+        f"{prefix}/groups_mixed_frac": statistics.fmean(mixed),
+        f"{prefix}/samples": float(len(samples)),
+        f"{prefix}/generated_tokens": float(sum(s.num_trained_tokens for s in samples)),
+    }
+    metric_keys = {k for s in samples for k in s.metrics} - {"reward", "correct"}
+    for k in sorted(metric_keys):
+        out[f"{prefix}/{k}_mean"] = statistics.fmean(float(s.metrics.get(k, 0.0)) for s in samples)
+    return out
+
+
+class Evaluator:
+    """Metrics of an eval batch: mean reward, pass@1, and unbiased pass@k for k = 2, 4, ... <= n."""
+
+    def evaluate(self, batch: list[Sample], prefix: str = "eval") -> dict[str, float]:
+        out = rollout_metrics(batch, prefix)
+        groups = groups_of(batch)
+        if not groups:
+            return out
+        n = min(len(g) for g in groups)
+        k = 1
+        while k <= n:
+            out[f"{prefix}/pass@{k}"] = statistics.fmean(
+                pass_at_k(len(g), int(sum(_correct(s) for s in g)), k) for g in groups)
+            k *= 2
+        return out

@@ -1,0 +1,76 @@
+"""The main training loops: short functions that compose the components (seed 002).
+
+`train_colocated` is the whole synchronous algorithm: rollout, fit, relay weights, log.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from tqdm import tqdm
+
+from relayrl.build import Components, build
+from relayrl.config.schema import Config
+from relayrl.evaluator import rollout_metrics
+
+
+def train_colocated(c: Components) -> dict[str, float]:
+    """Colocated synchronous RL: each step trains on samples from the current policy only."""
+    cfg = c.cfg
+    last_eval = _evaluate(c, 0) if cfg.eval.at_start else {}
+    bar = tqdm(range(1, cfg.run.steps + 1), desc="train", unit="step", dynamic_ncols=True,
+               disable=not sys.stderr.isatty())
+    for step in bar:
+        t0 = time.perf_counter()
+        metrics = c.env.produce_batch(c.data, cfg.data.batch_size)
+        batch = c.data.get_batch()
+        metrics |= rollout_metrics(batch)
+        metrics |= c.train_ctl.fit(batch)
+        c.train_ctl.sync_weights(c.rollout_ctl)
+        metrics |= _perf(c, metrics, time.perf_counter() - t0)
+        _log(c, step, metrics, bar, batch)
+        if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.run.steps:
+            last_eval = _evaluate(c, step)
+    if cfg.eval.at_end:
+        last_eval = _evaluate(c, cfg.run.steps)
+    return last_eval
+
+
+def train(cfg: Config) -> dict[str, float]:
+    """Build a run from its config, train, and release every process and thread it started."""
+    c = build(cfg)
+    print(f"run folder: {c.run_dir}")
+    try:
+        return train_colocated(c)
+    finally:
+        c.close()
+
+
+def _perf(c: Components, m: dict[str, float], step_s: float) -> dict[str, float]:
+    sync = c.rollout_ctl.stats
+    return {"time/step_s": step_s,
+            "time/weight_sync_s": sync["weight_update_s"] / max(1, sync["weight_updates"]),
+            "perf/rollout_tokens_per_s": m.get("rollout/generated_tokens", 0.0) / max(1e-9, m["time/rollout_s"]),
+            "perf/samples_per_s": m.get("rollout/samples", 0.0) / step_s,
+            "version": float(c.train_ctl.version)}
+
+
+def _evaluate(c: Components, step: int) -> dict[str, float]:
+    t0 = time.perf_counter()
+    metrics = c.evaluate()
+    if metrics:
+        metrics["time/eval_s"] = time.perf_counter() - t0
+        c.logger.log(step, metrics)
+        shown = {k: round(v, 4) for k, v in metrics.items() if "pass" in k or "reward_mean" in k}
+        tqdm.write(f"eval @ step {step}: {shown}")
+    return metrics
+
+
+def _log(c: Components, step: int, metrics: dict[str, float], bar: tqdm, batch) -> None:
+    c.logger.log(step, metrics)
+    tqdm.write(c.logger.table_row(step, metrics))
+    for s in batch[: c.cfg.run.print_samples]:
+        tqdm.write(f"  sample (reward {s.reward:.2f}): {s.response_text[:200]!r}")
+    bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}",
+                    pass_=f"{metrics.get('rollout/pass_rate', 0):.2f}")

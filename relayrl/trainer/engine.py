@@ -1,0 +1,93 @@
+"""`TrainEngine`: one process holding the policy, its optimizer, and a logprob forward.
+
+The engine knows nothing about RL: it computes per-token logprobs (and entropies) of target tokens
+and runs an optimizer step over micro-batches with a loss function the algorithm supplies. Logits
+are computed only at trained positions (hidden states are gathered before the LM head), which on
+small models with big vocabularies saves a large share of the forward cost and memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch
+
+from relayrl.trainer.algo import reduce_stats
+from relayrl.trainer.packer import MicroBatch
+
+LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict[str, float]]]
+
+
+class TrainEngine:
+    def __init__(self, model: torch.nn.Module, *, lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
+                 weight_decay: float = 0.0, grad_clip: float = 1.0, temperature: float = 1.0,
+                 autocast_bf16: bool = False, gradient_checkpointing: bool = False):
+        self.model = model
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.model.train(bool(params))  # a frozen model (the KL reference) only ever evaluates
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.grad_clip = grad_clip
+        self.autocast_bf16 = autocast_bf16
+        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay) if params else None
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: str = "float32", **kwargs) -> TrainEngine:
+        from relayrl.models import load_model
+
+        return cls(load_model(path, dtype=dtype), **kwargs)
+
+    def _autocast(self):
+        if self.autocast_bf16:
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def logprobs(self, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False):
+        """Logprobs of mb.targets under log_softmax(logits / temperature); entropy per token if asked."""
+        with self._autocast():
+            hidden = self.model.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                              use_cache=False).last_hidden_state
+            logits = self.model.get_output_embeddings()(hidden[mb.rows, mb.cols])
+        lsm = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        logp = lsm.gather(-1, mb.targets[:, None]).squeeze(-1)
+        entropy = None
+        if with_entropy:
+            with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+                entropy = -(lsm.exp() * lsm).sum(-1)
+        return logp, entropy
+
+    @torch.no_grad()
+    def forward_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        return self.logprobs(mb)[0]
+
+    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *,
+                   with_entropy: bool = True, entropy_grad: bool = False) -> dict[str, float]:
+        """One optimizer step over all micro-batches; loss_fn's weights make the sum the exact batch loss."""
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        per_mb = []
+        for mb in micro_batches:
+            if mb.num_tokens == 0:
+                continue
+            logp, entropy = self.logprobs(mb, with_entropy, entropy_grad)
+            loss, mb_stats = loss_fn(mb, logp, entropy)
+            loss.backward()
+            per_mb.append(mb_stats)
+        stats = reduce_stats(per_mb, mean=False)  # loss weights already make these batch-level values
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf"))
+        stats["grad_norm"] = float(grad_norm)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            stats["skipped_nonfinite_step"] = 1.0
+        self.optimizer.zero_grad(set_to_none=True)
+        stats["train_step_s"] = time.perf_counter() - t0
+        return stats
+
+    def named_parameters(self):
+        """Weights to relay to inference engines."""
+        return ((name, p.detach()) for name, p in self.model.named_parameters())

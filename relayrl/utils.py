@@ -1,0 +1,76 @@
+"""Small shared helpers: import by path, atomic writes."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def import_from_path(spec: str) -> Any:
+    """Resolve 'package.module:Name' (or 'package.module.Name') to the named object.
+
+    This is how a config names user code: an agent, a reward function, a dataset or a filter.
+    """
+    if ":" in spec:
+        mod_name, _, attr = spec.partition(":")
+    else:
+        mod_name, _, attr = spec.rpartition(".")
+    if not mod_name or not attr:
+        raise ValueError(f"import path {spec!r} must look like 'package.module:Name'")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ImportError(f"cannot import module {mod_name!r} named by {spec!r}: {e}") from e
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ImportError(f"module {mod_name!r} has no attribute {attr!r} (named by {spec!r})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write a file so that a crash leaves either the old or the new content, never half of it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def append_jsonl(path: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Append one JSON line with a single write() so a crash never leaves a half line behind.
+
+    A line is written whole by one O_APPEND write; a torn final line (no trailing newline) from an
+    earlier crash is skipped by `read_jsonl`.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Read complete JSON lines; an unterminated last line (a crash mid-write) is ignored."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            if line.endswith("\n") and line.strip():
+                out.append(json.loads(line))
+    return out

@@ -1,0 +1,136 @@
+"""Advantages, KL estimators, token weights and the clipped loss against values computed by hand."""
+
+import math
+
+import pytest
+import torch
+
+from relayrl.trainer.algo import LossInputs, compute_advantages, kl_estimate, policy_loss, token_weights
+
+GROUPS = ["a"] * 4 + ["b"] * 4
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0])
+
+
+def close(x, y, tol=1e-5):
+    assert torch.allclose(torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(y, dtype=torch.float32),
+                          atol=tol), (x, y)
+
+
+def test_grpo_advantages_group_mean_and_unbiased_std():
+    # group a: mean .5, unbiased std sqrt(1/3); group b: mean .75, unbiased std .5
+    a = 0.5 / math.sqrt(1 / 3)
+    adv = compute_advantages(REWARDS, GROUPS, mean="group", std="group", eps=0.0)
+    close(adv, [a, -a, -a, a, 0.5, 0.5, 0.5, -1.5])
+
+
+def test_dr_grpo_advantages_are_centred_not_scaled():
+    adv = compute_advantages(REWARDS, GROUPS, mean="group", std="none")
+    close(adv, [0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75])
+
+
+def test_rloo_leave_one_out_baseline():
+    # r_i minus the mean of the other three samples of its group
+    adv = compute_advantages(REWARDS, GROUPS, mean="group", std="none", leave_one_out=True)
+    close(adv, [2 / 3, -2 / 3, -2 / 3, 2 / 3, 1 / 3, 1 / 3, 1 / 3, -1.0])
+
+
+def test_batch_level_normalisation():
+    mean = 5 / 8
+    std = math.sqrt(sum((float(r) - mean) ** 2 for r in REWARDS) / 7)
+    adv = compute_advantages(REWARDS, GROUPS, mean="batch", std="batch", eps=0.0)
+    close(adv, [(float(r) - mean) / std for r in REWARDS])
+
+
+def test_all_equal_group_gives_zero_advantage_not_nan():
+    adv = compute_advantages(torch.tensor([1.0, 1.0, 0.0, 0.0]), ["x", "x", "y", "y"])
+    close(adv, [0.0, 0.0, 0.0, 0.0])
+
+
+def test_groups_need_not_be_contiguous():
+    adv = compute_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), ["x", "y", "x", "y"], std="none")
+    close(adv, [0.5, -0.5, -0.5, 0.5])
+
+
+def test_leave_one_out_rejects_singleton_groups():
+    with pytest.raises(ValueError, match="at least 2"):
+        compute_advantages(torch.tensor([1.0, 0.0]), ["x", "y"], leave_one_out=True)
+
+
+def test_kl_estimators_match_formulas():
+    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+    d = [0.5, -1.0]
+    close(kl_estimate(logp, ref, "k1"), d)
+    close(kl_estimate(logp, ref, "k2"), [x * x / 2 for x in d])
+    close(kl_estimate(logp, ref, "k3"), [math.exp(-x) - 1 + x for x in d])
+    assert float(kl_estimate(logp, logp, "k3").abs().max()) == 0.0
+    with pytest.raises(ValueError):
+        kl_estimate(logp, ref, "k4")
+
+
+def test_token_weights():
+    close(token_weights([2, 3], "token_mean"), [0.2] * 5)
+    close(token_weights([2, 3], "seq_mean_token_mean"), [1 / 4, 1 / 4, 1 / 6, 1 / 6, 1 / 6])
+    close(token_weights([2, 3], "seq_mean_token_sum_norm", norm_len=10), [1 / 20] * 5)
+    with pytest.raises(ValueError):
+        token_weights([2], "seq_mean_token_sum_norm")
+
+
+LOGP = [0.1, 0.4, -0.4, 0.5]  # log-ratios new - old, old logp = 0
+ADV = [1.0, 1.0, -1.0, -1.0]
+
+
+def _loss(logp, idx=slice(None), weights=None, **kw):
+    n = len(LOGP)
+    inp = LossInputs(old_logp=torch.zeros(n)[idx], advantages=torch.tensor(ADV)[idx],
+                     weights=(weights if weights is not None else torch.full((n,), 1 / n))[idx],
+                     stat_weight=1 / n, **kw)
+    return policy_loss(logp[idx], None, inp, clip_low=0.2, clip_high=0.28)
+
+
+def test_clipped_loss_by_hand():
+    # token 1: r=e^.1 unclipped -> -r; token 2: r=e^.4 > 1.28 with A>0 -> clipped at -1.28;
+    # token 3: r=e^-.4 < 0.8 with A<0 -> clipped at +0.8; token 4: r=e^.5 with A<0 -> unclipped +r
+    expected = [-math.exp(0.1), -1.28, 0.8, math.exp(0.5)]
+    logp = torch.tensor(LOGP, requires_grad=True)
+    loss, stats = _loss(logp)
+    assert float(loss) == pytest.approx(sum(expected) / 4, abs=1e-6)
+    assert stats["clip_frac"] == pytest.approx(0.5)
+    loss.backward()
+    # d/dlogp of -r*A/4 is -r*A/4 for unclipped tokens, 0 for clipped ones
+    close(logp.grad, [-math.exp(0.1) / 4, 0.0, 0.0, math.exp(0.5) / 4])
+
+
+def test_loss_is_exact_across_micro_batches():
+    full_logp = torch.tensor(LOGP, requires_grad=True)
+    full, _ = _loss(full_logp)
+    full.backward()
+    split_logp = torch.tensor(LOGP, requires_grad=True)
+    parts = [_loss(split_logp, slice(0, 1))[0], _loss(split_logp, slice(1, 4))[0]]
+    sum(parts).backward()
+    assert float(sum(parts)) == pytest.approx(float(full), abs=1e-7)
+    close(split_logp.grad, full_logp.grad, tol=1e-7)
+
+
+def test_kl_and_entropy_terms():
+    logp = torch.tensor([-1.0, -2.0])
+    ref = torch.tensor([-1.5, -1.0])
+    ent = torch.tensor([2.0, 3.0])
+    inp = LossInputs(old_logp=logp.clone(), advantages=torch.zeros(2), weights=torch.full((2,), 0.5),
+                     stat_weight=0.5, ref_logp=ref)
+    loss, stats = policy_loss(logp, ent, inp, clip_low=0.2, clip_high=0.2, kl_coef=0.1, kl_estimator="k1",
+                              entropy_coef=0.01)
+    # advantages 0: loss = 0.1 * mean(k1) - 0.01 * mean(entropy) = 0.1 * -0.25 - 0.01 * 2.5
+    assert float(loss) == pytest.approx(-0.025 - 0.025, abs=1e-6)
+    assert stats["kl_ref"] == pytest.approx(-0.25)
+    assert stats["entropy"] == pytest.approx(2.5)
+
+
+def test_on_policy_ratio_is_one_and_gradient_is_reinforce():
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    inp = LossInputs(old_logp=None, advantages=torch.tensor([2.0, -1.0]), weights=torch.full((2,), 0.5),
+                     stat_weight=0.5)
+    loss, stats = policy_loss(logp, None, inp, clip_low=0.2, clip_high=0.2)
+    loss.backward()
+    assert float(loss) == pytest.approx(-(2.0 - 1.0) / 2)
+    close(logp.grad, [-1.0, 0.5])  # -A * w
+    assert stats["clip_frac"] == 0.0

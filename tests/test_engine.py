@@ -1,0 +1,146 @@
+"""LocalEngine on a real tiny model: exactness against plain HF forwards, batching, stops, weights."""
+
+import collections
+import concurrent.futures
+
+import pytest
+import torch
+
+from relayrl.engine.base import SamplingParams
+from relayrl.engine.local import LocalEngine
+from relayrl.models import eos_token_ids, load_model, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model(tiny_path):
+    return load_model(tiny_path, dtype="float32")
+
+
+@pytest.fixture
+def engine(model, tiny_path):
+    eng = LocalEngine(model, eos_token_ids=eos_token_ids(load_tokenizer(tiny_path), tiny_path), max_batch_size=4)
+    yield eng
+    eng.close()
+
+
+def full_forward_logprobs(model, prompt, output, temperature=1.0):
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1: -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [20, 21], [30] * 17, [5, 6, 7, 8, 9], [40, 41, 42], [7], [50, 51, 52, 53]]
+
+
+def test_greedy_matches_hf_generate_token_for_token(engine, model):
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    outs = engine.generate(PROMPTS, params)  # 7 requests through 4 slots: requests join and leave
+    for prompt, out in zip(PROMPTS, outs):
+        ref = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert out.output_ids == ref[0, len(prompt):].tolist()
+        assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_equal_full_forward(engine, model, temperature):
+    params = SamplingParams(max_new_tokens=20, temperature=temperature, ignore_eos=True)
+    for prompt, out in zip(PROMPTS, engine.generate(PROMPTS, params)):
+        ref = full_forward_logprobs(model, prompt, out.output_ids, temperature)
+        assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-5)
+
+
+def test_group_shares_one_prefill(engine):
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True)
+    engine.generate([[3, 4, 5, 6]] * 4, params)
+    assert engine.stats["prefills"] == 1
+    # a late member of the same group (its twin still running) reuses the running KV too
+    futures = [engine.submit([9, 9, 9], SamplingParams(max_new_tokens=30, ignore_eos=True))]
+    futures.append(engine.submit([9, 9, 9], SamplingParams(max_new_tokens=3, ignore_eos=True)))
+    concurrent.futures.wait(futures)
+    assert engine.stats["prefills"] <= 3
+
+
+def test_seeded_requests_are_reproducible_whatever_the_batch(engine):
+    params = SamplingParams(max_new_tokens=15, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = engine.generate([[5, 6, 7]], params)[0].output_ids
+    crowd = engine.generate([[9, 9]] * 3 + [[5, 6, 7]], SamplingParams(max_new_tokens=15, ignore_eos=True))
+    mixed = engine.generate([[5, 6, 7]], params)[0].output_ids
+    assert alone == mixed
+    assert len(crowd) == 4
+
+
+def test_stop_tokens_and_finish_reasons(engine, model):
+    greedy = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))[0]
+    stop_at = greedy.output_ids[3]
+    first = greedy.output_ids.index(stop_at)
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True,
+                                                      stop_token_ids=(stop_at,)))[0]
+    assert out.output_ids == greedy.output_ids[: first + 1]  # the stop token is included
+    assert out.finish_reason == "stop"
+    one = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True))[0]
+    assert len(one.output_ids) == 1 and one.finish_reason in ("length", "stop")
+
+
+def test_max_seq_len_bounds_generation(model):
+    eng = LocalEngine(model, eos_token_ids=[], max_batch_size=2, max_seq_len=12)
+    try:
+        out = eng.generate([[1, 2, 3, 4, 5]], SamplingParams(max_new_tokens=50, temperature=0))[0]
+        assert len(out.output_ids) + 5 <= 12 and out.finish_reason == "length"
+        with pytest.raises(ValueError, match="max_seq_len"):
+            eng.submit(list(range(12)), SamplingParams())
+    finally:
+        eng.close()
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(engine):
+    greedy = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
+    k1 = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=10, top_k=1, ignore_eos=True))
+    p0 = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=10, top_p=1e-6, ignore_eos=True))
+    assert greedy[0].output_ids == k1[0].output_ids == p0[0].output_ids
+
+
+def test_sampling_follows_the_model_distribution(engine, model):
+    prompt = [5, 6, 7]
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+    n = 3000
+    outs = engine.generate([prompt] * n, SamplingParams(max_new_tokens=1, ignore_eos=True))
+    counts = collections.Counter(o.output_ids[0] for o in outs)
+    top = probs.topk(3)
+    for p, tok in zip(top.values.tolist(), top.indices.tolist()):
+        sd = (p * (1 - p) / n) ** 0.5
+        assert abs(counts[tok] / n - p) < 5 * sd + 1e-3
+
+
+def test_update_weights_changes_outputs_and_stamps_versions(tiny_path):
+    model = load_model(tiny_path)  # its own copy: the update below changes weights in place
+    engine = LocalEngine(model, eos_token_ids=[], max_batch_size=2)
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    before = engine.generate([[5, 6, 7]], params)[0]
+    assert set(before.versions) == {0}
+    noisy = [(n, p + 0.5 * torch.randn_like(p)) for n, p in model.named_parameters()]
+    engine.update_weights(noisy, version=3)
+    after = engine.generate([[5, 6, 7]], params)[0]
+    assert set(after.versions) == {3} and engine.version == 3
+    assert after.output_ids != before.output_ids or after.logprobs != before.logprobs
+    with pytest.raises(KeyError, match="no parameter"):
+        engine.update_weights([("nope.weight", torch.zeros(1))], version=4)
+    engine.close()
+
+
+def test_pause_holds_generation_until_resume(engine):
+    engine.pause()
+    fut = engine.submit([5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    with pytest.raises(concurrent.futures.TimeoutError):
+        fut.result(timeout=0.3)
+    engine.resume()
+    assert len(fut.result(timeout=10).output_ids) == 3
+
+
+def test_bad_requests_fail_clearly(engine):
+    with pytest.raises(ValueError, match="empty"):
+        engine.submit([], SamplingParams())
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)

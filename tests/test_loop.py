@@ -1,0 +1,130 @@
+"""End to end on the real tiny model: the CLI and the colocated loop, with real judge processes."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from relayrl.build import build
+from relayrl.cli import main
+from relayrl.config.schema import load_run_config
+from relayrl.loop import train_colocated
+from relayrl.plot import plot_run
+from relayrl.utils import read_jsonl
+
+TESTS = str(Path(__file__).parent)
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    path = tmp_path / "sums.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(12)))
+    return str(path)
+
+
+def overrides(tiny_path, dataset, tmp_path, **extra):
+    base = {"model.path": tiny_path, "engine.dtype": "float32", "data.train.source": dataset,
+            "data.eval.source": dataset, "data.batch_size": 2, "data.group_size": 4, "sampling.max_new_tokens": 12,
+            "eval.size": 3, "eval.n": 2, "eval.temperature": 1.0, "run.steps": 2, "run.output_dir": str(tmp_path),
+            "run.name": "t", "train.lr": 1e-3, "judge.reward_fn": "agents_for_tests:parity_reward",
+            "judge.workers": 1, "run.print_samples": 0}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture(autouse=True)
+def tests_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(TESTS)  # reward/agent modules named by path; judge workers inherit sys.path
+
+
+def test_two_training_steps_on_tiny_model(tiny_path, dataset, tmp_path):
+    cfg = load_run_config(None, overrides(tiny_path, dataset, tmp_path))
+    c = build(cfg)
+    try:
+        final = train_colocated(c)
+        assert c.train_ctl.version == 2 and c.rollout_ctl.version == 2
+        trainer_w = dict(c.train_ctl.engine.model.named_parameters())
+        for name, p in c.rollout_ctl.engines[0].model.named_parameters():
+            assert p.data.equal(trainer_w[name].data), name  # relayed weights are the trained weights
+    finally:
+        c.close()
+    rows = read_jsonl(c.run_dir / "metrics.jsonl")
+    steps = [r for r in rows if "train/loss" in r]
+    evals = [r for r in rows if "eval/pass@1" in r]
+    assert [r["step"] for r in steps] == [1, 2] and [r["step"] for r in evals] == [0, 2]
+    for key in ["rollout/reward_mean", "rollout/pass_rate", "rollout/response_len_mean", "train/entropy",
+                "train/clip_frac", "train/grad_norm", "time/rollout_s", "time/train_s", "perf/rollout_tokens_per_s",
+                "train/logprob_diff_engine_max"]:
+        assert key in steps[0], key
+    assert steps[0]["rollout/samples"] == 8 and steps[0]["train/grad_norm"] > 0
+    assert steps[0]["train/logprob_diff_engine_max"] < 1e-4  # fp32 engine and trainer agree
+    assert "eval/pass@2" in evals[0] and final == {k: v for k, v in evals[-1].items() if k != "step"}
+    assert list((c.run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    reloaded = load_run_config(str(c.run_dir / "config.yaml"))
+    assert reloaded.algo.adv_std == "group" and reloaded.model.path == tiny_path
+    png = plot_run([c.run_dir], tmp_path / "curve.png")
+    assert png.stat().st_size > 5000
+
+
+def test_failing_and_hanging_agents_cost_one_sample_each(tiny_path, dataset, tmp_path):
+    cfg = load_run_config(None, overrides(tiny_path, dataset, tmp_path, **{
+        "agent.kind": "agents_for_tests:FlakyAgent", "agent.timeout": 1.0, "run.steps": 1, "eval.at_start": False,
+        "eval.at_end": False}))
+    c = build(cfg)
+    try:
+        t0 = time.perf_counter()
+        train_colocated(c)
+        assert time.perf_counter() - t0 < 30
+    finally:
+        c.close()
+    row = read_jsonl(c.run_dir / "metrics.jsonl")[0]
+    assert row["rollout/failed"] == 4  # 2 groups x (one raising + one hanging sample)
+    assert row["rollout/samples"] == 4 and row["train/samples"] == 4
+
+
+def test_cli_train_runs_and_writes_a_run(tiny_path, dataset, tmp_path):
+    env_path = f"{TESTS}"
+    proc = subprocess.run([sys.executable, "-m", "relayrl.cli", "train", *overrides(tiny_path, dataset, tmp_path,
+                                                                                     **{"run.steps": 1})],
+                          capture_output=True, text=True, timeout=300, env={"PYTHONPATH": env_path,
+                                                                           "PATH": "/usr/bin:/bin",
+                                                                           "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "final eval" in proc.stdout and "step" in proc.stdout
+    assert (tmp_path / "t" / "metrics.jsonl").is_file()
+    assert main(["plot", str(tmp_path / "t")]) == 0 and (tmp_path / "t" / "reward.png").is_file()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["algo.presett=grpo"], "did you mean algo.preset"),
+    (["trian.lr=1e-5"], "did you mean train"),
+    (["train.lr=abc"], "train.lr: expected float"),
+    (["data.group_size=1"], "data.group_size: must be >= 2"),
+    (["data.batch_size=0"], "data.batch_size: must be >= 1"),
+    (["algo.preset=ppoo"], "algo.preset"),
+    (["model.path=/nonexistent/model"], "model.path: model folder '/nonexistent/model' does not exist"),
+])
+def test_config_errors_name_the_key(bad, message, capsys):
+    assert main(["train", "--config", "examples/arithmetic_grpo.yaml", *bad]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_dataset_row_fails_before_any_model_loads(tiny_path, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?"}\n')
+    cfg = load_run_config(None, overrides(tiny_path, str(data), tmp_path))
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: row has no 'answer'"):
+        build(cfg)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_presets_expand_and_explicit_keys_win():
+    cfg = load_run_config("examples/arithmetic_grpo.yaml", ["algo.preset=rloo"])
+    assert (cfg.algo.adv_leave_one_out, cfg.algo.adv_std) == (True, "none")
+    cfg = load_run_config("examples/arithmetic_grpo.yaml", ["algo.preset=dr_grpo", "algo.adv_std=batch"])
+    assert (cfg.algo.loss_agg, cfg.algo.adv_std) == ("seq_mean_token_sum_norm", "batch")
