@@ -123,3 +123,16 @@ def test_sync_weights_makes_engine_match_trainer(model):
     out = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4))[0]
     assert out.versions == [1] * 4
     eng.close()
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_reference_kl_is_zero_at_start_and_grows(model, estimator):
+    samples = rollout(model)
+    ref = TrainEngine(copy.deepcopy(model).requires_grad_(False))
+    assert ref.optimizer is None and not ref.model.training
+    ctl = TrainController(TrainEngine(copy.deepcopy(model), lr=1e-2), AlgoConfig(kl_coef=0.1, kl_estimator=estimator),
+                          TrainConfig(lr=1e-2), pad_id=0, max_new_tokens=16, ref_engine=ref)
+    first = ctl.fit(samples)
+    second = ctl.fit(samples)
+    assert first["train/kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    assert abs(second["train/kl_ref"]) > 1e-4

@@ -25,11 +25,12 @@ def _first(batch: list[Any]) -> Any:
 class DataManager:
     def __init__(self, rows: list[dict[str, Any]], prompt_fn: Callable[[dict[str, Any]], list[int]], *,
                  group_size: int, shuffle: bool = True, seed: int = 0):
-        self.rows, self.prompt_fn, self.group_size = rows, prompt_fn, group_size
+        self.rows, self.prompt_fn, self.group_size, self.seed = rows, prompt_fn, group_size, seed
+        self._generator = torch.Generator().manual_seed(seed)
         with warnings.catch_warnings():  # torchdata 0.11 warns about its own deprecated torch call
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             self.loader = StatefulDataLoader(rows, batch_size=1, shuffle=shuffle, collate_fn=_first,
-                                             generator=torch.Generator().manual_seed(seed))
+                                             generator=self._generator)
         self._it = iter(self.loader)
         self.epoch = 0
         self.replay_buffer: list[Sample] = []
@@ -42,6 +43,8 @@ class DataManager:
             return next(self._it)
         except StopIteration:
             self.epoch += 1
+            # each epoch's order depends only on (seed, epoch), so a resumed run shuffles the same way
+            self._generator.manual_seed(self.seed + self.epoch)
             self._it = iter(self.loader)
             return next(self._it)
 

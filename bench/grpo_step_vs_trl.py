@@ -1,0 +1,291 @@
+#!/usr/bin/env python
+"""One GRPO training step, relayrl vs TRL's GRPOTrainer: same model, prompts, group size, generation length,
+temperature, learning rate and one optimizer step per batch of prompts x group completions.
+
+A step is everything between two optimizer updates: generation, reward, logprobs, loss/backward, optimizer step
+and (relayrl only) the weight sync to its inference engine. Each side runs in its own subprocess (this script with
+--side), alternating sides for --rounds rounds; each subprocess does 1 warm-up step + --steps measured steps.
+
+    .venv/bin/python bench/grpo_step_vs_trl.py            # full run (SmolLM2-135M-Instruct, 8x8, 128 tokens)
+    .venv/bin/python bench/grpo_step_vs_trl.py --quick    # smoke run on the tiny random model (< 60 s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import _common
+
+SIDES = ("relayrl", "trl", "trl_bf16")
+SUFFIX = "\nPut your final answer within \\boxed{}."  # relayrl's default data.prompt.suffix
+DATA_KW = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-", "*"],
+           "allow_parentheses": False, "allow_negation": False}
+LR = 5e-6  # examples/arithmetic_grpo.yaml
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="model folder or relayrl alias")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    p.add_argument("--group", type=int, default=8, help="samples per prompt (GRPO group size)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--steps", type=int, default=3, help="measured steps per subprocess (after 1 warm-up step)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of one subprocess per side, sides alternating")
+    p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {','.join(SIDES)}")
+    p.add_argument("--seed", type=int, default=0, help="run seed and reasoning-gym dataset seed")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads on both sides")
+    p.add_argument("--trl-micro-batch", type=int, default=8,
+                   help="TRL per_device_train_batch_size; gradient_accumulation = prompts*group / this")
+    p.add_argument("--out", default="bench/results/grpo_step_vs_trl.json")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 2x2, 16 tokens, 1 step")
+    p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: run one side, write --result-file
+    p.add_argument("--result-file", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.prompts, a.group, a.max_new_tokens, a.steps = 2, 2, 16, 1
+    a.sides = [s.strip() for s in a.sides.split(",") if s.strip()]
+    if bad := [s for s in a.sides if s not in SIDES]:
+        p.error(f"unknown sides {bad}; choose from {SIDES}")
+    total = a.prompts * a.group
+    a.trl_micro_batch = min(a.trl_micro_batch, total)
+    if total % a.trl_micro_batch:
+        p.error(f"--trl-micro-batch {a.trl_micro_batch} must divide prompts*group = {total}")
+    return a
+
+
+def dataset_cfg(a):
+    from relayrl.config.schema import DatasetConfig
+
+    return DatasetConfig(source="reasoning_gym:basic_arithmetic", size=a.prompts * (a.steps + 1), seed=a.seed,
+                         kwargs=DATA_KW)
+
+
+def prompts_sha(questions) -> str:
+    return hashlib.sha256(json.dumps(sorted(set(questions))).encode()).hexdigest()[:12]
+
+
+# ---- relayrl side ------------------------------------------------------------------------------------------
+def run_relayrl(a, tmp: str) -> dict:
+    from relayrl.build import build
+    from relayrl.config.schema import load_run_config
+    from relayrl.evaluator import rollout_metrics
+
+    d = dataset_cfg(a)
+    overrides = [f"model.path={a.model}", "model.autocast_bf16=true", "engine.dtype=bfloat16",  # as the example
+                 f"sampling.max_new_tokens={a.max_new_tokens}", f"sampling.temperature={a.temperature}",
+                 f"data.train.source={d.source}", f"data.train.size={d.size}", f"data.train.seed={d.seed}",
+                 f"data.train.kwargs={json.dumps(d.kwargs)}", f"data.batch_size={a.prompts}",
+                 f"data.group_size={a.group}", "data.shuffle=false", f"train.lr={LR}",
+                 "eval.at_start=false", "eval.at_end=false", "run.tensorboard=false", f"run.output_dir={tmp}",
+                 "run.name=bench", f"run.seed={a.seed}", f"run.threads={a.threads}", f"run.steps={a.steps + 1}",
+                 "run.print_samples=0"]
+    c = build(load_run_config(None, overrides))
+    steps = []
+    try:
+        for _ in range(a.steps + 1):  # timed exactly as relayrl.loop.train_colocated times a step
+            sync0, version0 = c.rollout_ctl.stats["weight_update_s"], c.train_ctl.version
+            t0 = time.perf_counter()
+            m = c.env.produce_batch(c.data, a.prompts)
+            batch = c.data.get_batch()
+            m |= rollout_metrics(batch)
+            m |= c.train_ctl.fit(batch)
+            c.train_ctl.sync_weights(c.rollout_ctl)
+            dt = time.perf_counter() - t0
+            lengths = [len(s.response_ids) for s in batch]
+            steps.append({"step_s": dt, "samples": len(batch), "gen_tokens": sum(lengths),
+                          "max_len": max(lengths), "rollout_s": m["time/rollout_s"], "train_s": m["time/train_s"],
+                          "weight_sync_s": c.rollout_ctl.stats["weight_update_s"] - sync0,
+                          "reward_mean": m["rollout/reward_mean"],
+                          "optimizer_steps": c.train_ctl.version - version0,  # 1 update per fit (epochs=minibatches=1)
+                          "prompts_sha": prompts_sha(s.data["question"] for s in batch)})
+    finally:
+        c.close()
+    cfg = c.cfg
+    return {"steps": steps, "settings": {"train_dtype": cfg.model.train_dtype, "bf16_autocast": cfg.model.autocast_bf16,
+                                         "engine_dtype": cfg.engine.dtype, "loss_agg": cfg.algo.loss_agg,
+                                         "micro_batch_tokens": cfg.train.micro_batch_tokens}}
+
+
+# ---- TRL side ----------------------------------------------------------------------------------------------
+def run_trl(a, tmp: str, bf16: bool) -> dict:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from relayrl.data import load_rows
+    from relayrl.judge.math import math_reward
+
+    rows = load_rows(dataset_cfg(a))
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"] + SUFFIX}], "answer": r["answer"]}
+                            for r in rows])
+    gens = []  # one entry per generation (= per optimizer step when steps line up)
+
+    def math_reward_fn(prompts, completions, completion_ids, answer, **_):
+        gens.append({"samples": len(completions), "gen_tokens": sum(map(len, completion_ids)),
+                     "max_len": max(map(len, completion_ids)),
+                     "prompts_sha": prompts_sha(p[-1]["content"][: -len(SUFFIX)] for p in prompts)})
+        rewards = [math_reward(c[-1]["content"], {"answer": ans})["reward"] for c, ans in zip(completions, answer)]
+        gens[-1]["reward_mean"] = statistics.fmean(rewards)
+        return rewards
+
+    class StepTimer(TrainerCallback):  # on_step_begin..on_step_end spans generation + all micro-steps + opt step
+        def __init__(self):
+            self.t0, self.micro, self.times, self.micros, self.spans = 0.0, 0, [], [], []
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0, self.micro = time.perf_counter(), 0
+
+        def on_substep_end(self, args, state, control, **kw):
+            self.micro += 1
+
+        def on_step_end(self, args, state, control, **kw):
+            self.spans.append((self.t0, time.perf_counter()))
+            self.times.append(self.spans[-1][1] - self.t0)
+            self.micros.append(self.micro + 1)
+
+    total = a.prompts * a.group
+    args = GRPOConfig(
+        output_dir=tmp, use_cpu=True, bf16=bf16, fp16=False, seed=a.seed, data_seed=a.seed,
+        use_vllm=False, gradient_checkpointing=False,  # TRL defaults to True; relayrl's default is off
+        num_generations=a.group, per_device_train_batch_size=a.trl_micro_batch,
+        gradient_accumulation_steps=total // a.trl_micro_batch,  # generation_batch_size = micro * accum = total
+        num_iterations=1, max_completion_length=a.max_new_tokens, temperature=a.temperature, top_p=1.0, top_k=0,
+        beta=0.0, learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
+        max_steps=a.steps + 1, shuffle_dataset=False, report_to="none", save_strategy="no", eval_strategy="no",
+        logging_strategy="no", disable_tqdm=True, log_completions=False, dataloader_num_workers=0)
+    assert args.generation_batch_size == total and args.steps_per_generation == args.gradient_accumulation_steps
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=a.model, reward_funcs=math_reward_fn, args=args, train_dataset=ds,
+                          callbacks=[timer])
+    gen_times, gen_spans = [], []
+    inner = trainer._generate_and_score_completions
+
+    def timed_generate(batch):  # generation + reward + advantages (TRL's "rollout")
+        t = time.perf_counter()
+        out = inner(batch)
+        gen_spans.append((t, time.perf_counter()))
+        gen_times.append(gen_spans[-1][1] - t)
+        return out
+
+    trainer._generate_and_score_completions = timed_generate
+    trainer.train()
+    if not (len(timer.times) == len(gens) == len(gen_times) == trainer.state.global_step == a.steps + 1):
+        raise RuntimeError(f"expected {a.steps + 1} steps with one generation each, got {len(timer.times)} steps, "
+                           f"{len(gens)} generations, {trainer.state.global_step} optimizer steps")
+    if not all(b <= g0 and g1 <= e for (b, e), (g0, g1) in zip(timer.spans, gen_spans)):
+        raise RuntimeError("a TRL generation ran outside the timed step")
+    steps = [{"step_s": t, **g, "rollout_s": gt, "train_s": t - gt, "micro_steps": n, "optimizer_steps": 1}
+             for t, g, gt, n in zip(timer.times, gens, gen_times, timer.micros)]
+    return {"steps": steps, "settings": {
+        "model_dtype": str(trainer.model.dtype), "bf16_autocast": bf16, "loss_type": args.loss_type,
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "generation_batch_size": args.generation_batch_size, "optimizer_steps": trainer.state.global_step}}
+
+
+def run_side(a) -> None:
+    import torch
+
+    torch.manual_seed(a.seed)
+    torch.set_num_threads(a.threads)
+    with tempfile.TemporaryDirectory(prefix=f"bench_{a.side}_") as tmp:
+        res = run_relayrl(a, tmp) if a.side == "relayrl" else run_trl(a, tmp, bf16=a.side == "trl_bf16")
+    res["threads"] = torch.get_num_threads()
+    _common.write_json(a.result_file, res)
+
+
+# ---- driver ------------------------------------------------------------------------------------------------
+def child(a, side: str, model: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench_res_") as d:
+        out = os.path.join(d, "result.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--result-file", out, "--model", model,
+               "--prompts", str(a.prompts), "--group", str(a.group), "--max-new-tokens", str(a.max_new_tokens),
+               "--temperature", str(a.temperature), "--steps", str(a.steps), "--seed", str(a.seed),
+               "--threads", str(a.threads), "--trl-micro-batch", str(a.trl_micro_batch)]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               "OMP_NUM_THREADS": str(a.threads), "PYTHONWARNINGS": "ignore"}
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, cwd=_common.REPO, stdout=sys.stderr)
+        if proc.returncode:
+            raise SystemExit(f"side {side} failed with exit code {proc.returncode}")
+        with open(out) as f:
+            res = json.load(f)
+    res["process_s"] = time.perf_counter() - t0
+    return res
+
+
+def summarize(a, runs: list[dict]) -> dict:
+    measured = [s for r in runs for s in r["steps"][1:]]  # drop each subprocess's warm-up step
+    med = statistics.median(s["step_s"] for s in measured)
+    total_s = sum(s["step_s"] for s in measured)
+    tokens = sum(s["gen_tokens"] for s in measured)
+    out = {"step_s_median": med, "step_s_all": [s["step_s"] for s in measured],
+           "warmup_step_s": [r["steps"][0]["step_s"] for r in runs],
+           "samples_per_step": sorted({s["samples"] for r in runs for s in r["steps"]}),
+           "samples_per_s": a.prompts * a.group / med,
+           "mean_completion_tokens": tokens / sum(s["samples"] for s in measured),
+           "max_completion_tokens": max(s["max_len"] for s in measured),
+           "generated_tokens_per_s": tokens / total_s,
+           "rollout_s_median": statistics.median(s["rollout_s"] for s in measured),
+           "train_s_median": statistics.median(s["train_s"] for s in measured),
+           "reward_mean": statistics.fmean(s["reward_mean"] for s in measured),
+           "optimizer_steps_per_step": sorted({s["optimizer_steps"] for r in runs for s in r["steps"]}),
+           "threads": sorted({r["threads"] for r in runs}), "process_s": [r["process_s"] for r in runs],
+           "settings": runs[0]["settings"], "prompts_sha_per_step": [s["prompts_sha"] for s in runs[0]["steps"]]}
+    if "weight_sync_s" in measured[0]:
+        out["weight_sync_s_median"] = statistics.median(s["weight_sync_s"] for s in measured)
+    if "micro_steps" in measured[0]:
+        out["micro_steps_per_step"] = sorted({s["micro_steps"] for s in measured})
+    return out
+
+
+def main() -> None:
+    a = parse_args()
+    if a.side:
+        return run_side(a)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from relayrl.models import resolve_model_path, tiny_model
+
+    model = str(tiny_model()) if a.quick else resolve_model_path(a.model)
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        print(f"WARNING: 1-min load average is {load:.2f} before the run: another process is using the CPU, "
+              "so step times (2-thread OpenMP regions especially) are not representative", file=sys.stderr)
+    runs: dict[str, list[dict]] = {s: [] for s in a.sides}
+    for r in range(a.rounds):
+        for side in a.sides:
+            print(f"[round {r + 1}/{a.rounds}] {side} ...", file=sys.stderr, flush=True)
+            runs[side].append(child(a, side, model))
+    metrics = {s: summarize(a, rs) for s, rs in runs.items()}
+    ratio = lambda s: metrics["relayrl"]["samples_per_s"] / metrics[s]["samples_per_s"] if s in metrics else None
+    trl_sides = [s for s in ("trl", "trl_bf16") if s in metrics]
+    fastest = max(trl_sides, key=lambda s: metrics[s]["samples_per_s"], default=None)
+    ratios = {"relayrl_vs_trl_samples_per_s": ratio(fastest) if "relayrl" in metrics and fastest else None,
+              "relayrl_vs_trl_fp32_samples_per_s": ratio("trl") if "relayrl" in metrics else None,
+              "relayrl_vs_trl_bf16_samples_per_s": ratio("trl_bf16") if "relayrl" in metrics else None,
+              "trl_reference_side": fastest}
+    shas = {s: m.pop("prompts_sha_per_step") for s, m in metrics.items()}
+    result = {**_common.result_header("grpo_step_vs_trl"), "metrics": metrics, "ratios": ratios,
+              "workload": {"model": model, "prompts": a.prompts, "group": a.group,
+                           "samples_per_step": a.prompts * a.group, "max_new_tokens": a.max_new_tokens,
+                           "temperature": a.temperature, "lr": LR,
+                           "warmup_steps": 1, "measured_steps": a.steps, "rounds": a.rounds, "seed": a.seed,
+                           "threads": a.threads, "dataset": {"task": "basic_arithmetic", "seed": a.seed, **DATA_KW}},
+              "checks": {"loadavg_1min_at_start": load,
+                         "same_prompts_every_step": len({json.dumps(v) for v in shas.values()}) == 1,
+                         "prompts_sha_per_step": shas}}
+    print(json.dumps(result, indent=2))
+    _common.write_json(a.out, result)
+
+
+if __name__ == "__main__":
+    main()
