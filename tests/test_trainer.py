@@ -41,11 +41,15 @@ def model(tiny_path):
 
 @pytest.mark.parametrize("budget", [1, 40, 10_000])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_trainer_logprobs_equal_engine_logprobs(model, budget, temperature):
+@pytest.mark.parametrize("share", [False, True])
+def test_trainer_logprobs_equal_engine_logprobs(model, budget, temperature, share):
     samples = rollout(model, temperature)
     engine = TrainEngine(copy.deepcopy(model), temperature=temperature)
-    batch = Packer(budget, pad_id=0).pack(samples)
-    assert (len(batch.micro_batches) == len(samples)) == (budget == 1)
+    batch = Packer(budget, pad_id=0, share_prompt=share, row_tokens=40).pack(samples)
+    if budget == 1:
+        assert len(batch.micro_batches) == len(Packer(1, 0, share, row_tokens=40).rows(samples))
+    if share:  # rows of up to 40 tokens still hold several samples of a group
+        assert any(mb.position_ids is not None for mb in batch.micro_batches)
     for mb in batch.micro_batches:
         batch.scatter("logp", mb, engine.forward_logprobs(mb))
     for s, lp in zip(samples, batch.per_token["logp"]):
@@ -63,11 +67,25 @@ def test_packer_targets_are_the_response_tokens(model):
         for r, c, t in zip(mb.rows.tolist(), mb.cols.tolist(), got):
             assert int(mb.input_ids[r, c + 1]) == t
         assert mb.padded_tokens <= max(60, mb.input_ids.shape[1])
+    assert sorted(i for mb in batch.micro_batches for i in mb.sample_idx) == list(range(len(samples)))
 
 
-def _fit(model, samples, budget, preset_kw, sgd=False):
+def test_shared_prompt_rows_see_only_prompt_and_own_response(model):
+    samples = rollout(model, group=3, max_new=5)
+    mb = Packer(10_000, pad_id=0, share_prompt=True).pack(samples[:3]).micro_batches[0]
+    p, lens = len(samples[0].prompt_ids), [len(s.response_ids) for s in samples[:3]]
+    assert mb.input_ids.shape == (1, p + sum(lens)) and mb.real_tokens == p + sum(lens)
+    mask = mb.attention_mask[0, 0]
+    second = p + lens[0]  # first position of response 2
+    assert mask[second, :p].all() and not mask[second, p:second].any() and mask[second, second]
+    assert mb.position_ids[0, second].item() == p  # each response starts right after the prompt
+    assert mb.cols.tolist().count(p - 1) == 3  # the prompt's last token predicts every first token
+
+
+def _fit(model, samples, budget, preset_kw, sgd=False, share=False):
     ctl = TrainController(TrainEngine(copy.deepcopy(model), lr=1e-2), AlgoConfig(**preset_kw),
-                          TrainConfig(micro_batch_tokens=budget, lr=1e-2), pad_id=0, max_new_tokens=16)
+                          TrainConfig(micro_batch_tokens=budget, lr=1e-2, share_prompt=share, row_tokens=50),
+                          pad_id=0, max_new_tokens=16)
     if sgd:  # weight change = -gradient, so comparing weights compares gradients (Adam's first step is
         # sign-like and amplifies float noise in near-zero gradients)
         ctl.engine.optimizer = torch.optim.SGD(ctl.engine.model.parameters(), lr=1.0)
@@ -79,7 +97,8 @@ def _fit(model, samples, budget, preset_kw, sgd=False):
 def test_update_is_independent_of_micro_batching(model, agg):
     samples = rollout(model)
     small, m_small = _fit(model, samples, 20, {"loss_agg": agg}, sgd=True)
-    big, m_big = _fit(model, samples, 100_000, {"loss_agg": agg}, sgd=True)
+    big, m_big = _fit(model, samples, 100_000, {"loss_agg": agg}, sgd=True, share=True)
+    assert m_big["train/shared_prompt_saving"] > 0.1 and m_small["train/shared_prompt_saving"] == 0
     assert m_small["train/micro_batches"] > m_big["train/micro_batches"] == 1
     assert m_small["train/loss"] == pytest.approx(m_big["train/loss"], abs=1e-6)
     assert m_small["train/grad_norm"] == pytest.approx(m_big["train/grad_norm"], rel=1e-4)

@@ -150,6 +150,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     micro_batch_tokens: int = 4096  # padded tokens per forward/backward
+    share_prompt: bool = True  # a GRPO group's samples share one copy of their prompt in a row
+    row_tokens: int = 1024  # longest shared row (attention cost grows with its square)
     epochs: int = 1  # optimizer passes over each batch
     minibatches: int = 1  # optimizer steps per pass
 

@@ -22,7 +22,7 @@ class TrainController:
                  max_new_tokens: int, ref_engine: TrainEngine | None = None):
         self.engine, self.ref_engine = engine, ref_engine
         self.algo, self.train_cfg = algo, train
-        self.packer = Packer(train.micro_batch_tokens, pad_id)
+        self.packer = Packer(train.micro_batch_tokens, pad_id, train.share_prompt, train.row_tokens)
         self.max_new_tokens = max_new_tokens
         self.version = 0
 
@@ -126,11 +126,13 @@ class TrainController:
 
     def _batch_metrics(self, batch: TrainBatch) -> dict[str, float]:
         adv = torch.tensor([float(a[0]) if len(a) else 0.0 for a in batch.per_token["advantages"]])
+        forwarded = sum(mb.real_tokens for mb in batch.micro_batches)
         return {"train/adv_mean": float(adv.mean()), "train/adv_abs_mean": float(adv.abs().mean()),
                 "train/samples": float(len(batch.samples)), "train/tokens": float(sum(batch.lengths)),
                 "train/micro_batches": float(len(batch.micro_batches)),
-                "train/pad_frac": 1.0 - sum(len(s.input_ids) for s in batch.samples)
-                / max(1, sum(mb.padded_tokens for mb in batch.micro_batches))}
+                "train/pad_frac": 1.0 - forwarded / max(1, sum(mb.padded_tokens for mb in batch.micro_batches)),
+                # share of sequence tokens whose forward/backward was saved by sharing prompts
+                "train/shared_prompt_saving": 1.0 - forwarded / max(1, sum(len(s.input_ids) for s in batch.samples))}
 
 
 def _split(items: list[int], parts: int) -> list[list[int]]:

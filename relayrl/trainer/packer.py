@@ -1,9 +1,10 @@
 """`Packer`: turn samples into padded micro-batches under a token budget.
 
-This is the one place where samples become tensors. Sequences are sorted by length (longest first)
-and cut into micro-batches whose padded size (rows x longest row) stays under `max_tokens`, which
-keeps padding low without cross-sequence attention. Per-token training data (logprobs, advantages,
-weights) is kept per sample and gathered per micro-batch in the same order as the targets.
+This is the one place where samples become tensors. Samples are laid out in rows (one per row, or a
+GRPO group sharing one copy of its prompt), rows are sorted by length (longest first) and cut into
+micro-batches whose padded size (rows x longest row) stays under `max_tokens`, which keeps padding
+low. Attention never crosses sequences. Per-token training data (logprobs, advantages, weights) is
+kept per sample and gathered per micro-batch in the same order as the targets.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from relayrl.sample import Sample
 
 @dataclass
 class MicroBatch:
-    sample_idx: list[int]  # indices into TrainBatch.samples, in row order
+    sample_idx: list[int]  # indices into TrainBatch.samples, in target order
     input_ids: torch.Tensor  # [rows, L], right-padded
-    attention_mask: torch.Tensor  # [rows, L]
+    attention_mask: torch.Tensor  # [rows, L] padding mask, or [rows, 1, L, L] bool for shared-prompt rows
     rows: torch.Tensor  # [N] row of each trained token
     cols: torch.Tensor  # [N] position whose logits predict that token
     targets: torch.Tensor  # [N] the trained token ids
+    position_ids: torch.Tensor | None = None  # [rows, L] when rows hold several sequences
+    real_tokens: int = 0  # non-padding positions (each shared prompt counted once)
 
     @property
     def num_tokens(self) -> int:
@@ -63,10 +66,19 @@ class TrainBatch:
 
 
 class Packer:
-    def __init__(self, max_tokens: int, pad_id: int):
+    """Lay samples out in rows and rows in micro-batches of at most `max_tokens` padded tokens.
+
+    With `share_prompt`, samples with the same prompt (a GRPO group) share one copy of it in a row:
+    [prompt, response 1, response 2, ...], where each response attends to the prompt and to itself
+    only, at the positions it had when it was generated. The prompt's forward and backward then run
+    once per row instead of once per sample, with the same logprobs and gradients.
+    """
+
+    def __init__(self, max_tokens: int, pad_id: int, share_prompt: bool = False, row_tokens: int = 1024):
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self.max_tokens, self.pad_id = max_tokens, pad_id
+        self.share_prompt, self.row_tokens = share_prompt, row_tokens
 
     def plan(self, lengths: list[int]) -> list[list[int]]:
         """Group indices so that rows * longest row <= max_tokens (a longer row gets its own group)."""
@@ -79,26 +91,74 @@ class Packer:
                 groups.append([i])
         return groups
 
-    def pack(self, samples: list[Sample]) -> TrainBatch:
-        groups = self.plan([len(s.input_ids) for s in samples])
-        return TrainBatch(samples, [self._micro_batch(samples, g) for g in groups])
+    def rows(self, samples: list[Sample]) -> list[list[int]]:
+        """Sample indices per row: one sample per row, or same-prompt samples up to `row_tokens`."""
+        if not self.share_prompt:
+            return [[i] for i in range(len(samples))]
+        by_prompt: dict[tuple[int, ...], list[int]] = {}
+        for i, s in enumerate(samples):
+            by_prompt.setdefault(tuple(s.prompt_ids), []).append(i)
+        rows: list[list[int]] = []
+        for idx in by_prompt.values():
+            row: list[int] = []
+            for i in idx:
+                if row and _row_len(samples, row) + len(samples[i].response_ids) > self.row_tokens:
+                    rows.append(row)
+                    row = []
+                row.append(i)
+            rows.append(row)
+        return rows
 
-    def _micro_batch(self, samples: list[Sample], idx: list[int]) -> MicroBatch:
-        seqs = [samples[i].input_ids for i in idx]
-        width = max(len(s) for s in seqs)
-        input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        rows, cols, targets = [], [], []
-        for r, i in enumerate(idx):
-            s = samples[i]
-            seq = s.input_ids
-            input_ids[r, : len(seq)] = torch.tensor(seq)
-            attention_mask[r, : len(seq)] = 1
-            p = len(s.prompt_ids)
-            for j, (tok, m) in enumerate(zip(s.response_ids, s.loss_mask)):
-                if m:
-                    rows.append(r)
-                    cols.append(p + j - 1)
-                    targets.append(tok)
-        return MicroBatch(idx, input_ids, attention_mask, torch.tensor(rows, dtype=torch.long),
-                          torch.tensor(cols, dtype=torch.long), torch.tensor(targets, dtype=torch.long))
+    def pack(self, samples: list[Sample]) -> TrainBatch:
+        rows = self.rows(samples)
+        plan = self.plan([_row_len(samples, r) for r in rows])
+        return TrainBatch(samples, [self._micro_batch(samples, [rows[i] for i in g]) for g in plan])
+
+    def _micro_batch(self, samples: list[Sample], rows: list[list[int]]) -> MicroBatch:
+        width = max(_row_len(samples, r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        segment = torch.full((len(rows), width), -1, dtype=torch.long)  # -1 pad, 0 prompt, j>0 response j
+        positions = torch.zeros((len(rows), width), dtype=torch.long)
+        r_idx, cols, targets, order = [], [], [], []
+        for r, row in enumerate(rows):
+            prompt = samples[row[0]].prompt_ids
+            p = len(prompt)
+            input_ids[r, :p] = torch.tensor(prompt)
+            segment[r, :p] = 0
+            positions[r, :p] = torch.arange(p)
+            start = p
+            for j, i in enumerate(row, 1):
+                resp, mask = samples[i].response_ids, samples[i].loss_mask
+                n = len(resp)
+                input_ids[r, start: start + n] = torch.tensor(resp, dtype=torch.long)
+                segment[r, start: start + n] = j
+                positions[r, start: start + n] = torch.arange(p, p + n)
+                for t in range(n):
+                    if mask[t]:  # token t is predicted by the prompt's last token (t = 0) or by token t - 1
+                        r_idx.append(r)
+                        cols.append(p - 1 if t == 0 else start + t - 1)
+                        targets.append(resp[t])
+                order.append(i)
+                start += n
+        shared = any(len(row) > 1 for row in rows)
+        mask = _segment_mask(segment) if shared else (segment >= 0).long()
+        return MicroBatch(order, input_ids, mask, torch.tensor(r_idx, dtype=torch.long),
+                          torch.tensor(cols, dtype=torch.long), torch.tensor(targets, dtype=torch.long),
+                          positions if shared else None, int((segment >= 0).sum()))
+
+
+def _row_len(samples: list[Sample], row: list[int]) -> int:
+    return len(samples[row[0]].prompt_ids) + sum(len(samples[i].response_ids) for i in row)
+
+
+def _segment_mask(segment: torch.Tensor) -> torch.Tensor:
+    """[rows, 1, L, L] bool: causal, and a key is visible if it is prompt or in the query's own response.
+
+    Padding queries see only themselves, which keeps their (unused) outputs finite: a fully masked row
+    would give NaN, and NaN times a zero gradient is still NaN in the weight gradients.
+    """
+    n = segment.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool).tril_()
+    q, k = segment[:, :, None], segment[:, None, :]
+    visible = causal & ((k == 0) | (k == q)) & (q >= 0) & (k >= 0)
+    return (visible | torch.eye(n, dtype=torch.bool))[:, None]
