@@ -8,8 +8,9 @@ import os
 import shlex
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from relayrl.utils import atomic_write_text
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,14 +54,4 @@ def result_header(name: str) -> dict:
 
 def write_json(path: str | os.PathLike, obj: dict) -> None:
     """Write obj as indented JSON atomically (temp file in the same folder, then os.replace)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")

