@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Callable
 
+from relayrl.judge.math import final_answer
 from relayrl.sample import Sample
 
 
@@ -59,8 +61,28 @@ def rollout_metrics(samples: list[Sample], prefix: str = "rollout") -> dict[str,
     return out
 
 
+def majority_correct(group: list[Sample], answer_fn: Callable[[str], str | None]) -> float:
+    """1.0 if the most common final answer of the group is a correct one (ties: the first seen wins)."""
+    votes: Counter[str] = Counter()
+    correct: dict[str, float] = {}
+    for s in group:
+        ans = answer_fn(s.response_text)
+        if ans is not None:
+            votes[ans] += 1
+            correct.setdefault(ans, _correct(s))
+    return correct[votes.most_common(1)[0][0]] if votes else 0.0
+
+
 class Evaluator:
-    """Metrics of an eval batch: mean reward, pass@1, and unbiased pass@k for k = 2, 4, ... <= n."""
+    """Metrics of an eval batch: mean reward, pass@1, unbiased pass@k and maj@k for k = 1, 2, 4, ... <= n
+    samples per prompt, and for multi-turn agents the share of samples solved at turn 1, 2, ...
+
+    maj@k votes over the first k samples of each prompt, using `answer_fn` to read a sample's final answer
+    (for multi-turn samples, the text of the whole trajectory: its last answer counts).
+    """
+
+    def __init__(self, answer_fn: Callable[[str], str | None] = final_answer):
+        self.answer_fn = answer_fn
 
     def evaluate(self, batch: list[Sample], prefix: str = "eval") -> dict[str, float]:
         out = rollout_metrics(batch, prefix)
@@ -72,5 +94,9 @@ class Evaluator:
         while k <= n:
             out[f"{prefix}/pass@{k}"] = statistics.fmean(
                 pass_at_k(len(g), int(sum(_correct(s) for s in g)), k) for g in groups)
+            out[f"{prefix}/maj@{k}"] = statistics.fmean(majority_correct(g[:k], self.answer_fn) for g in groups)
             k *= 2
+        solved = [int(s.metrics["solved_turn"]) for s in batch if "solved_turn" in s.metrics]
+        for turn in range(1, max(solved, default=0) + 1):
+            out[f"{prefix}/solved_at_turn_{turn}"] = solved.count(turn) / len(solved)
         return out

@@ -41,6 +41,7 @@ class Turn:
     version_start: int
     version_end: int
     finish_reason: str
+    reward: float | None = None  # this turn's (discounted) return when an agent rewards turns separately
 
 
 _counter = itertools.count()

@@ -16,10 +16,14 @@ from relayrl.data.manager import DataManager
 from relayrl.sample import Sample, Status
 
 
-async def run_agent(agent: Agent, sample: Sample, timeout: float | None) -> Sample:
-    """Run one trajectory; failures and timeouts are recorded on the sample instead of raised."""
+async def run_agent(agent: Agent, sample: Sample, timeout: float | None) -> list[Sample]:
+    """Run one trajectory; failures and timeouts are recorded on the sample instead of raised.
+
+    An agent returns one sample, or several (e.g. an OpenAI-client episode with separate conversations).
+    """
     try:
-        return await asyncio.wait_for(agent.generate_sample(sample), timeout)
+        out = await asyncio.wait_for(agent.generate_sample(sample), timeout)
+        return out if isinstance(out, list) else [out]
     except asyncio.CancelledError:
         raise
     except TimeoutError:
@@ -27,7 +31,7 @@ async def run_agent(agent: Agent, sample: Sample, timeout: float | None) -> Samp
     except Exception as e:
         sample.error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
     sample.status = Status.FAILED
-    return sample
+    return [sample]
 
 
 class SyncScheduler:
@@ -35,7 +39,8 @@ class SyncScheduler:
         self.agent_timeout = agent_timeout
 
     async def _generate_group(self, group: list[Sample], agent: Agent) -> list[Sample]:
-        return list(await asyncio.gather(*(run_agent(agent, s, self.agent_timeout) for s in group)))
+        done = await asyncio.gather(*(run_agent(agent, s, self.agent_timeout) for s in group))
+        return [s for samples in done for s in samples]
 
     async def produce_batch(self, batch_size: int, data_mgr: DataManager, agent: Agent) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -24,3 +24,46 @@ def parity_reward(response: str, data: dict[str, Any]) -> dict[str, float]:
     """A dense, learnable-looking signal for random tiny models: even response length."""
     correct = float(len(response) % 2 == 0)
     return {"reward": correct, "correct": correct}
+
+
+async def two_call_episode(client, row):
+    """A multi-call agent written against the openai package: answer, then reconsider."""
+    messages = [{"role": "user", "content": row["question"]}]
+    first = await client.chat.completions.create(model="relayrl-policy", messages=messages, max_tokens=8,
+                                                 logprobs=True, extra_body={"return_token_ids": True})
+    messages.append(first.choices[0].message.model_dump(exclude_none=True))
+    messages.append({"role": "user", "content": "Are you sure? Answer again."})
+    second = await client.chat.completions.create(model="relayrl-policy", messages=messages, max_tokens=8,
+                                                  logprobs=True, extra_body={"return_token_ids": True})
+    row.setdefault("_responses", []).extend([first, second])  # for the test to inspect
+    return 1.0 if "4" in (second.choices[0].message.content or "") else 0.0
+
+
+async def per_call_reward_episode(client, row):
+    from relayrl.agents import session_of
+
+    messages = [{"role": "user", "content": row["question"]}]
+    first = await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Again."}]
+    second = await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+    session_of(client).set_reward(first.id, -1.0)
+    session_of(client).set_reward(second.id, 1.0)
+
+
+async def two_conversations_episode(client, row):
+    for q in ("one", "two"):
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": q}], max_tokens=4)
+    return 0.5
+
+
+async def tool_history_episode(client, row):
+    """A conversation that already contains a tool call and its result, continued by the policy."""
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "math",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    first = await client.chat.completions.create(model="m", messages=messages, tools=tools, max_tokens=6)
+    messages.append({"role": "assistant", "content": first.choices[0].message.content})
+    messages.append({"role": "tool", "tool_call_id": "call_0", "content": "4"})
+    await client.chat.completions.create(model="m", messages=messages, tools=tools, max_tokens=6)
+    return 1.0

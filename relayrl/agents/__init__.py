@@ -2,8 +2,12 @@
 import path ('package.module:AgentClass')."""
 
 from relayrl.agents.base import Agent
+from relayrl.agents.openai_agent import OpenAIAgent, session_of
+from relayrl.agents.reflection import ReflectionAgent
 from relayrl.agents.single_turn import SingleTurnAgent
+from relayrl.agents.tool import ToolAgent
 
-AGENTS: dict[str, type[Agent]] = {"single_turn": SingleTurnAgent}
+AGENTS: dict[str, type[Agent]] = {"single_turn": SingleTurnAgent, "reflection": ReflectionAgent, "tool": ToolAgent,
+                                  "openai": OpenAIAgent}
 
-__all__ = ["AGENTS", "Agent", "SingleTurnAgent"]
+__all__ = ["AGENTS", "Agent", "OpenAIAgent", "ReflectionAgent", "SingleTurnAgent", "ToolAgent", "session_of"]

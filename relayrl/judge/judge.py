@@ -58,17 +58,26 @@ class Judge:
 
     async def judge(self, sample: Sample) -> Sample:
         """Set `sample.reward` and merge metrics; on any failure reward 0.0 and `sample.error` says why."""
-        self.calls += 1
-        try:
-            out = await self.pool.call(self.reward_path, (sample.response_text, sample.data),
-                                       self.reward_kwargs, timeout=self.timeout)
-            reward, metrics = _reward_and_metrics(out)
-        except Exception as e:  # CancelledError is a BaseException and propagates, as it should
-            return self._fail(sample, self._reason(e))
+        reward, metrics, error = await self.score(sample.response_text, sample.data, sample.uid)
         sample.reward = reward
         sample.metrics.update(metrics)
-        sample.metrics.update(reward=reward, judge_failed=0.0)
+        if error is not None:
+            sample.error = error
         return sample
+
+    async def score(self, text: str, data: dict[str, Any],
+                    uid: str = "?") -> tuple[float, dict[str, float], str | None]:
+        """Score any text against a row (agents judge single turns with this): (reward, metrics, error).
+
+        metrics always holds "reward" and "judge_failed"; on failure the reward is 0.0 and error says why.
+        """
+        self.calls += 1
+        try:
+            out = await self.pool.call(self.reward_path, (text, data), self.reward_kwargs, timeout=self.timeout)
+            reward, metrics = _reward_and_metrics(out)
+        except Exception as e:  # CancelledError is a BaseException and propagates, as it should
+            return 0.0, {"reward": 0.0, "judge_failed": 1.0}, self._fail(uid, self._reason(e))
+        return reward, {**metrics, "reward": reward, "judge_failed": 0.0}, None
 
     def start(self) -> None:
         """Start the workers now (they import the reward module) so the first batch does not wait."""
@@ -93,15 +102,11 @@ class Judge:
     async def __aexit__(self, *exc: object) -> None:
         self.close()
 
-    def _fail(self, sample: Sample, reason: str) -> Sample:
+    def _fail(self, uid: str, reason: str) -> str:
         self.failures += 1
         if self.failures <= 5 or self.failures % 100 == 0:  # visible, but not one line per sample forever
-            logger.warning("judge failure %d of %d calls (sample %s): %s",
-                           self.failures, self.calls, sample.uid, reason)
-        sample.reward = 0.0
-        sample.metrics.update(reward=0.0, judge_failed=1.0)
-        sample.error = reason
-        return sample
+            logger.warning("judge failure %d of %d calls (sample %s): %s", self.failures, self.calls, uid, reason)
+        return reason
 
     def _reason(self, e: Exception) -> str:
         if isinstance(e, TimeoutError):

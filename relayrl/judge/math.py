@@ -84,6 +84,17 @@ def math_reward(response: str, data: dict[str, Any], *, answer_key: str = "answe
     return {"reward": float(correct) + format_bonus * fmt, "correct": float(correct), "format": fmt}
 
 
+def final_answer(text: str) -> str | None:
+    """The answer a response commits to, as math_reward reads it (last \\boxed{}, else the last number);
+    whitespace and thousands commas removed so equal answers compare equal (majority voting)."""
+    try:
+        ans = last_boxed(text)
+        ans = ans if ans is not None else extract_number(text)
+    except Exception:
+        return None
+    return None if ans is None else "".join(ans.split()).replace(",", "")
+
+
 def normalize_gold(gold: Any, answer_key: str = "answer") -> str:
     """Reduce a dataset answer to the final answer text: GSM8K's '... #### 1,234' becomes '1234'."""
     if gold is None or (isinstance(gold, str) and not gold.strip()):

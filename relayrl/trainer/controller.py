@@ -61,12 +61,25 @@ class TrainController:
         return batch  # critic-free algorithms; PPO with a value model plugs in here
 
     def compute_advantages(self, batch: TrainBatch) -> TrainBatch:
+        """Group-relative advantages of sample rewards, or of turn returns when an agent set `Turn.reward`.
+
+        With per-turn returns, every (sample, turn) of a group is one entry of the group statistics, and
+        each turn's tokens get that turn's advantage; a one-turn sample reduces to plain GRPO.
+        """
         a = self.algo
-        rewards = torch.tensor([float(s.reward or 0.0) for s in batch.samples])
-        adv = compute_advantages(rewards, [s.group_id for s in batch.samples], mean=a.adv_mean,
-                                 std=a.adv_std, leave_one_out=a.adv_leave_one_out)
-        batch.per_token["advantages"] = [torch.full((s.num_trained_tokens,), float(v))
-                                         for s, v in zip(batch.samples, adv)]
+        entries = []  # (sample index, turn index or None, reward)
+        for i, s in enumerate(batch.samples):
+            if s.turns and all(t.reward is not None for t in s.turns):
+                entries += [(i, j, float(t.reward)) for j, t in enumerate(s.turns)]
+            else:
+                entries.append((i, None, float(s.reward or 0.0)))
+        adv = compute_advantages(torch.tensor([e[2] for e in entries]),
+                                 [batch.samples[e[0]].group_id for e in entries], mean=a.adv_mean, std=a.adv_std,
+                                 leave_one_out=a.adv_leave_one_out)
+        per_sample: list[dict] = [{} for _ in batch.samples]
+        for (i, j, _), v in zip(entries, adv.tolist()):
+            per_sample[i][j] = v
+        batch.per_token["advantages"] = [_token_values(s, v) for s, v in zip(batch.samples, per_sample)]
         batch.per_token["behav_logp"] = [torch.tensor([lp for lp, m in zip(s.logprobs, s.loss_mask) if m])
                                          for s in batch.samples]
         return batch
@@ -125,7 +138,7 @@ class TrainController:
         return loss_fn
 
     def _batch_metrics(self, batch: TrainBatch) -> dict[str, float]:
-        adv = torch.tensor([float(a[0]) if len(a) else 0.0 for a in batch.per_token["advantages"]])
+        adv = torch.cat(batch.per_token["advantages"])
         forwarded = sum(mb.real_tokens for mb in batch.micro_batches)
         return {"train/adv_mean": float(adv.mean()), "train/adv_abs_mean": float(adv.abs().mean()),
                 "train/samples": float(len(batch.samples)), "train/tokens": float(sum(batch.lengths)),
@@ -133,6 +146,16 @@ class TrainController:
                 "train/pad_frac": 1.0 - forwarded / max(1, sum(mb.padded_tokens for mb in batch.micro_batches)),
                 # share of sequence tokens whose forward/backward was saved by sharing prompts
                 "train/shared_prompt_saving": 1.0 - forwarded / max(1, sum(len(s.input_ids) for s in batch.samples))}
+
+
+def _token_values(sample: Sample, values: dict[int | None, float]) -> torch.Tensor:
+    """Per trained token: the sample's value (key None) or its turn's value (key = turn index)."""
+    if None in values:
+        return torch.full((sample.num_trained_tokens,), values[None])
+    by_position = torch.zeros(len(sample.response_ids))
+    for j, turn in enumerate(sample.turns):
+        by_position[turn.start: turn.end] = values[j]
+    return by_position[torch.tensor(sample.loss_mask, dtype=torch.bool)]
 
 
 def _split(items: list[int], parts: int) -> list[list[int]]:

@@ -1,0 +1,88 @@
+"""`ReflectionAgent`: answer, hear whether it was right, reflect and retry (seeds 001 and 003).
+
+Each turn the model answers; the judge scores that turn's text; a wrong answer is followed by a
+feedback user turn (token ids appended, never re-encoded) and the model tries again, until it is right
+or `max_turns` is reached. Turns per sample vary. Rewards follow seed 001:
+
+    r_t = ((success_t - 0.5) * 2 - reward_bias) * reward_scaling     (shaping on; else r_t = success_t)
+
+and the turn-level discount gamma is applied in one of two ways:
+- "final": the sample's reward is r_T * gamma^(T - 1) for the last turn T (AReaL's reflection workflow);
+- "per_turn": every turn gets its discounted reward-to-go R_t = r_t + gamma * R_(t+1) (seed 001's backward
+  sum), stored in `Turn.reward`; the trainer then gives each turn's tokens that turn's advantage.
+"""
+
+from __future__ import annotations
+
+from relayrl.agents.base import Agent
+from relayrl.agents.chat import continuation_ids, end_of_turn_id
+from relayrl.sample import Sample, Status
+
+DEFAULT_FEEDBACK = "Your answer is either wrong or could not be parsed. Please reflect on it and try again."
+
+
+def shaped(success: float, shaping: bool, scaling: float, bias: float) -> float:
+    return ((success - 0.5) * 2 - bias) * scaling if shaping else success
+
+
+def turn_returns(rewards: list[float], gamma: float) -> list[float]:
+    """Discounted reward-to-go per turn: R_t = r_t + gamma * R_(t+1)."""
+    out = list(rewards)
+    for t in range(len(out) - 2, -1, -1):
+        out[t] = out[t] + gamma * out[t + 1]
+    return out
+
+
+class ReflectionAgent(Agent):
+    def __init__(self, rollout_ctl, tokenizer, sampling, judge=None, *, max_turns: int = 2,
+                 feedback: str = DEFAULT_FEEDBACK, discount: float = 0.9, discount_mode: str = "final",
+                 shaping: bool = True, reward_scaling: float = 1.0, reward_bias: float = 0.0,
+                 max_total_tokens: int | None = None):
+        super().__init__(rollout_ctl, tokenizer, sampling, judge)
+        if judge is None:
+            raise ValueError("ReflectionAgent needs a judge: feedback depends on whether an answer is right")
+        if max_turns < 1:
+            raise ValueError(f"agent.kwargs.max_turns must be >= 1, got {max_turns}")
+        if discount_mode not in ("final", "per_turn"):
+            raise ValueError(f"agent.kwargs.discount_mode must be 'final' or 'per_turn', got {discount_mode!r}")
+        self.max_turns, self.discount, self.discount_mode = max_turns, discount, discount_mode
+        self.shaping, self.reward_scaling, self.reward_bias = shaping, reward_scaling, reward_bias
+        self.max_total_tokens = max_total_tokens
+        self.eot = end_of_turn_id(tokenizer)
+        self.feedback_ids = continuation_ids(tokenizer, [{"role": "user", "content": feedback}])
+
+    async def generate_sample(self, sample: Sample) -> Sample:
+        successes: list[float] = []
+        for turn in range(self.max_turns):
+            out = await self.rollout_ctl.generate(sample.input_ids, self.sampling, rid=sample.uid)
+            sample.append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason)
+            _, metrics, error = await self.judge.score(self.decode(out.output_ids), sample.data, sample.uid)
+            sample.error = error or sample.error
+            successes.append(float(metrics.get("correct", metrics["reward"] > 0)))
+            if successes[-1] or turn + 1 == self.max_turns or self._out_of_room(sample):
+                break
+            if out.output_ids[-1] != self.eot:  # cut at the token limit: close the turn as the template would
+                sample.append_context([self.eot])
+            sample.append_context(self.feedback_ids)
+        self._set_rewards(sample, successes)
+        sample.response_text = self.decode(sample.response_ids)
+        sample.status = Status.COMPLETED
+        return sample
+
+    def _out_of_room(self, sample: Sample) -> bool:
+        if self.max_total_tokens is None:
+            return False
+        room = len(self.feedback_ids) + 1 + self.sampling.max_new_tokens
+        return len(sample.input_ids) + room > self.max_total_tokens
+
+    def _set_rewards(self, sample: Sample, successes: list[float]) -> None:
+        rewards = [shaped(s, self.shaping, self.reward_scaling, self.reward_bias) for s in successes]
+        if self.discount_mode == "per_turn":
+            for t, ret in zip(sample.turns, turn_returns(rewards, self.discount)):
+                t.reward = ret
+            sample.reward = sample.turns[0].reward
+        else:
+            sample.reward = rewards[-1] * self.discount ** (len(rewards) - 1)
+        solved = next((i + 1 for i, s in enumerate(successes) if s), 0)
+        sample.metrics.update(correct=float(solved > 0), solved_turn=float(solved), turns=float(len(successes)),
+                              reward=sample.reward)

@@ -1,0 +1,1 @@
+"""Serving: OpenAI-compatible routes (and, later, relayrl's own inference server)."""

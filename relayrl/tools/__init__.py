@@ -1,0 +1,6 @@
+"""Tools for agents: a sandboxed Python runner and a calculator, described in chat-template tool format."""
+
+from relayrl.tools.builtin import BUILTIN_TOOLS, Tool, calculator_tool, evaluate, python_tool
+from relayrl.tools.sandbox import SandboxResult, run_python
+
+__all__ = ["BUILTIN_TOOLS", "SandboxResult", "Tool", "calculator_tool", "evaluate", "python_tool", "run_python"]

@@ -1,0 +1,150 @@
+"""ReflectionAgent on the real tiny model: token-exact trajectories, masks, versions, and rewards by hand."""
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from relayrl.agents.chat import continuation_ids, continuation_text
+from relayrl.agents.reflection import ReflectionAgent, shaped, turn_returns
+from relayrl.config.schema import AlgoConfig, TrainConfig
+from relayrl.engine.base import SamplingParams
+from relayrl.engine.local import LocalEngine
+from relayrl.judge import Judge
+from relayrl.models import eos_token_ids, load_model, load_tokenizer
+from relayrl.rollout import RolloutController
+from relayrl.sample import NO_VERSION, Sample
+from relayrl.trainer.controller import TrainController
+from relayrl.trainer.engine import TrainEngine
+from relayrl.trainer.packer import Packer
+
+
+class RecordingController(RolloutController):
+    """A real RolloutController that also keeps every (input ids, output) pair it served."""
+
+    def __init__(self, engines):
+        super().__init__(engines)
+        self.calls: dict[str, list] = {}
+
+    async def generate(self, input_ids, params, rid=None):
+        out = await super().generate(input_ids, params, rid)
+        self.calls.setdefault(rid, []).append((list(input_ids), out))
+        return out
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_path):
+    tok = load_tokenizer(tiny_path)
+    model = load_model(tiny_path)
+    engine = LocalEngine(model, eos_token_ids=eos_token_ids(tok, tiny_path), max_batch_size=16, seed=3)
+    judge = Judge("agents_for_tests:parity_reward", workers=1)
+    yield tok, model, engine, judge
+    engine.close()
+    judge.close()
+
+
+@pytest.fixture(autouse=True)
+def tests_on_path(monkeypatch):
+    import os
+
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))
+
+
+def run(agent, samples):
+    async def go():
+        return await asyncio.gather(*(agent.generate_sample(s) for s in samples))
+
+    return asyncio.run(go())
+
+
+def test_feedback_tokens_are_the_template_continuation(tiny_path):
+    tok = load_tokenizer(tiny_path)
+    text = continuation_text(tok, [{"role": "user", "content": "Try again."}])
+    assert text == "\n<|im_start|>user\nTry again.<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(continuation_ids(tok, [{"role": "user", "content": "Try again."}])) == text
+
+
+@pytest.mark.parametrize("mode", ["final", "per_turn"])
+def test_multi_turn_trajectory_is_token_exact(parts, mode):
+    tok, model, engine, judge = parts
+    ctl = RecordingController([engine])
+    agent = ReflectionAgent(ctl, tok, SamplingParams(max_new_tokens=10, temperature=1.0), judge, max_turns=3,
+                            discount_mode=mode, feedback="Wrong, try again.")
+    prompt = tok(tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=False,
+                                         add_generation_prompt=True))["input_ids"]
+    samples = run(agent, [Sample(prompt_ids=list(prompt), group_id="g", index=i) for i in range(12)])
+    assert {len(s.turns) for s in samples} >= {1, 2}  # turns vary per sample
+    for s in samples:
+        calls = ctl.calls[s.uid]
+        assert len(calls) == len(s.turns)
+        for (seen, out), turn in zip(calls, s.turns):
+            assert seen == s.input_ids[: len(seen)]  # what the engine saw is a prefix of the trained sequence
+            p = len(s.prompt_ids)
+            assert s.response_ids[turn.start: turn.end] == out.output_ids
+            assert seen == s.input_ids[: p + turn.start]
+            assert s.logprobs[turn.start: turn.end] == out.logprobs
+            assert s.versions[turn.start: turn.end] == out.versions
+            assert (turn.version_start, turn.version_end) == (out.versions[0], out.versions[-1])
+            assert turn.finish_reason == out.finish_reason
+        for prev, nxt in zip(s.turns, s.turns[1:]):  # between turns: [eot if cut] + feedback, never trained
+            between = s.response_ids[prev.end: nxt.start]
+            closed = [] if s.response_ids[prev.end - 1] == agent.eot else [agent.eot]
+            assert between == closed + agent.feedback_ids
+            assert s.loss_mask[prev.end: nxt.start] == [0] * len(between)
+            assert s.versions[prev.end: nxt.start] == [NO_VERSION] * len(between)
+        assert sum(s.loss_mask) == sum(t.end - t.start for t in s.turns)
+        assert s.metrics["turns"] == len(s.turns)
+        assert s.metrics["solved_turn"] in (0, len(s.turns))
+        # the final decoded conversation shows the feedback turns
+        if len(s.turns) > 1:
+            assert "Wrong, try again." in tok.decode(s.response_ids)
+
+
+def test_shaping_and_discount_by_hand():
+    assert shaped(1, True, 1.0, 0.0) == 1.0 and shaped(0, True, 1.0, 0.0) == -1.0
+    assert shaped(1, True, 2.0, 0.5) == pytest.approx(1.0)  # ((1 - .5) * 2 - .5) * 2
+    assert shaped(0, True, 2.0, 0.5) == pytest.approx(-3.0)
+    assert shaped(1, False, 2.0, 0.5) == 1.0
+    # seed 001's backward sum: R_t = r_t + gamma * R_{t+1}
+    assert turn_returns([-1.0, -1.0, 1.0], 0.9) == pytest.approx([-1 + 0.9 * (-1 + 0.9), -1 + 0.9, 1.0])
+
+
+@pytest.mark.parametrize("mode", ["final", "per_turn"])
+def test_rewards_of_each_mode(parts, mode):
+    tok, _, engine, judge = parts
+    agent = ReflectionAgent(RolloutController([engine]), tok, SamplingParams(max_new_tokens=6), judge,
+                            max_turns=3, discount=0.5, discount_mode=mode, reward_scaling=2.0, reward_bias=0.0)
+    s = Sample(prompt_ids=[1, 5, 6])
+    s.append_generated([7], [0.0], [0], "stop")
+    s.append_context([8])
+    s.append_generated([9], [0.0], [0], "stop")
+    agent._set_rewards(s, [0.0, 1.0])  # wrong, then right
+    if mode == "final":
+        assert s.reward == pytest.approx(2.0 * 0.5)  # r_T * gamma^(T-1) with r_T = ((1-.5)*2)*2
+        assert all(t.reward is None for t in s.turns)
+    else:
+        assert [t.reward for t in s.turns] == pytest.approx([-2.0 + 0.5 * 2.0, 2.0])
+        assert s.reward == s.turns[0].reward
+    assert s.metrics["solved_turn"] == 2 and s.metrics["correct"] == 1.0
+
+
+def test_per_turn_returns_give_per_turn_advantages(parts):
+    tok, model, engine, _ = parts
+    samples = []
+    for i, rets in enumerate([[0.0, 1.0], [1.0], [-1.0, -1.0]]):
+        s = Sample(prompt_ids=[1, 5, 6], group_id="g", index=i)
+        for j, r in enumerate(rets):
+            if j:
+                s.append_context([8, 9])
+            s.append_generated([10 + j, 11 + j], [0.0, 0.0], [0, 0], "stop")
+            s.turns[-1].reward = r
+        samples.append(s)
+    ctl = TrainController(TrainEngine(copy.deepcopy(model)), AlgoConfig(adv_std="none"), TrainConfig(), pad_id=0,
+                          max_new_tokens=8)
+    batch = ctl.compute_advantages(Packer(4096, 0).pack(samples))
+    mean = (0 + 1 + 1 - 1 - 1) / 5  # the group's five turn returns
+    assert batch.per_token["advantages"][0].tolist() == pytest.approx([0 - mean] * 2 + [1 - mean] * 2)
+    assert batch.per_token["advantages"][1].tolist() == pytest.approx([1 - mean] * 2)
+    assert batch.per_token["advantages"][2].tolist() == pytest.approx([-1 - mean] * 4)
+    assert torch.cat(batch.per_token["behav_logp"]).numel() == 10
