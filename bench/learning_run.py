@@ -24,6 +24,8 @@ import _common
 from relayrl.plot import plot_run
 from relayrl.utils import read_jsonl
 
+EVAL_KEYS = ("eval/pass", "eval/maj", "eval/solved")
+
 
 def std_err(p: float, n: int) -> float:
     return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
@@ -55,7 +57,7 @@ def main() -> None:
                     "pass_after_stderr": std_err(after, n_eval), "eval_samples": n_eval,
                     "minutes": minutes, "steps": len(steps),
                     "step_s_median": sorted(r["time/step_s"] for r in steps)[len(steps) // 2],
-                    "eval_curve": [{k: r[k] for k in r if k == "step" or k.startswith("eval/pass")} for r in evals],
+                    "eval_curve": [{k: r[k] for k in r if k == "step" or k.startswith(EVAL_KEYS)} for r in evals],
                     "train_reward_first5": [r["rollout/reward_mean"] for r in steps[:5]],
                     "train_reward_last5": [r["rollout/reward_mean"] for r in steps[-5:]]},
         "ratios": {}, "run_dir": str(run_dir), "plot": str(png.relative_to(_common.REPO))}

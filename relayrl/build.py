@@ -22,11 +22,12 @@ from relayrl.env import Env
 from relayrl.evaluator import Evaluator
 from relayrl.judge import Judge
 from relayrl.metrics import MetricsLogger
-from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path
+from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path, save_pretrained_atomic
 from relayrl.rollout import RolloutController
 from relayrl.scheduler import SyncScheduler
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
+from relayrl.trajectories import TrajectoryLogger
 from relayrl.utils import import_from_path
 
 
@@ -38,12 +39,13 @@ class Components:
     rollout_ctl: RolloutController
     judge: Judge
     env: Env
-    data: DataManager
-    train_ctl: TrainController
+    data: DataManager | None
+    train_ctl: TrainController | None
     logger: MetricsLogger
     eval_agent: Agent | None = None
     eval_data: DataManager | None = None
     evaluator: Evaluator = field(default_factory=Evaluator)
+    trajectories: TrajectoryLogger | None = None
 
     def evaluate(self) -> dict[str, float]:
         """Generate the held-out set with the eval agent and score it (empty if no eval data)."""
@@ -52,6 +54,10 @@ class Components:
         self.eval_data.reset()
         self.env.produce_batch(self.eval_data, len(self.eval_data), agent=self.eval_agent)
         return self.evaluator.evaluate(self.eval_data.get_batch())
+
+    def save_model(self, path: Path) -> Path:
+        """Write the trained policy as a plain HF folder (loads with from_pretrained), atomically."""
+        return save_pretrained_atomic(self.train_ctl.engine.model, self.tokenizer, path)
 
     def close(self) -> None:
         self.env.close()
@@ -87,20 +93,30 @@ def sampling_params(cfg: Config, temperature: float | None = None) -> SamplingPa
                           top_k=s.top_k if t else 0, stop_token_ids=tuple(s.stop_token_ids))
 
 
-def build(cfg: Config) -> Components:
+def build(cfg: Config, *, train: bool = True) -> Components:
+    """All components of a run; with train=False only what evaluation needs (no trainer, no train data)."""
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     # cheap checks first: data, agent class, reward function, output folder
-    train_rows = load_rows(cfg.data.train)
+    train_rows = load_rows(cfg.data.train) if train else None
     eval_rows = load_rows(cfg.data.eval)[: cfg.eval.size] if cfg.data.eval else None
+    if not train and not eval_rows:
+        raise ValueError("data.eval: evaluation needs an eval dataset")
     agent_cls = agent_class(cfg.agent.kind)
     judge = Judge(cfg.judge.reward_fn, cfg.judge.kwargs, timeout=cfg.judge.timeout, workers=cfg.judge.workers)
     judge.start()  # worker start-up overlaps model loading
+    try:
+        return _build_with_judge(cfg, train_rows, eval_rows, agent_cls, judge)
+    except BaseException:
+        judge.close()
+        raise
+
+
+def _build_with_judge(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge) -> Components:
     run_dir = new_run_dir(cfg)
     dump_yaml(cfg, str(run_dir / "config.yaml"))
-    # then the models
     model_path = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_path)
     prompt_fn = PromptBuilder(tokenizer, cfg.data.prompt)
@@ -109,6 +125,27 @@ def build(cfg: Config) -> Components:
                            max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.engine.max_seq_len,
                            seed=cfg.run.seed + i) for i in range(cfg.engine.num_engines)]
     rollout_ctl = RolloutController(engines)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    train_ctl = _train_controller(cfg, model_path, pad_id) if train_rows is not None else None
+    agent = agent_cls(rollout_ctl, tokenizer, sampling_params(cfg), judge, **cfg.agent.kwargs)
+    env = Env(agent, SyncScheduler(cfg.agent.timeout))
+    data = None
+    if train_rows is not None:
+        data = DataManager(train_rows, prompt_fn, group_size=cfg.data.group_size, shuffle=cfg.data.shuffle,
+                           seed=cfg.run.seed)
+    eval_agent = eval_data = None
+    if eval_rows:
+        eval_agent = agent_cls(rollout_ctl, tokenizer, sampling_params(cfg, cfg.eval.temperature), judge,
+                               **cfg.agent.kwargs)
+        eval_data = DataManager(eval_rows, prompt_fn, group_size=cfg.eval.n, shuffle=False)
+    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
+    trajectories = TrajectoryLogger(run_dir, tokenizer) if cfg.run.log_trajectories else None
+    judge.wait_ready()
+    return Components(cfg, run_dir, tokenizer, rollout_ctl, judge, env, data, train_ctl, logger,
+                      eval_agent, eval_data, trajectories=trajectories)
+
+
+def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainController:
     t = cfg.train
     engine_kw = dict(temperature=cfg.sampling.temperature, autocast_bf16=cfg.model.autocast_bf16)
     train_engine = TrainEngine.from_pretrained(
@@ -118,19 +155,5 @@ def build(cfg: Config) -> Components:
     if cfg.algo.kl_coef > 0:
         ref_model = load_model(model_path, dtype=cfg.model.train_dtype).requires_grad_(False)
         ref_engine = TrainEngine(ref_model, **engine_kw)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    train_ctl = TrainController(train_engine, cfg.algo, cfg.train, pad_id=pad_id,
-                                max_new_tokens=cfg.sampling.max_new_tokens, ref_engine=ref_engine)
-    agent = agent_cls(rollout_ctl, tokenizer, sampling_params(cfg), judge, **cfg.agent.kwargs)
-    env = Env(agent, SyncScheduler(cfg.agent.timeout))
-    data = DataManager(train_rows, prompt_fn, group_size=cfg.data.group_size, shuffle=cfg.data.shuffle,
-                       seed=cfg.run.seed)
-    eval_agent = eval_data = None
-    if eval_rows:
-        eval_agent = agent_cls(rollout_ctl, tokenizer, sampling_params(cfg, cfg.eval.temperature), judge,
-                               **cfg.agent.kwargs)
-        eval_data = DataManager(eval_rows, prompt_fn, group_size=cfg.eval.n, shuffle=False)
-    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
-    judge.wait_ready()
-    return Components(cfg, run_dir, tokenizer, rollout_ctl, judge, env, data, train_ctl, logger,
-                      eval_agent, eval_data)
+    return TrainController(train_engine, cfg.algo, cfg.train, pad_id=pad_id,
+                           max_new_tokens=cfg.sampling.max_new_tokens, ref_engine=ref_engine)

@@ -1,8 +1,9 @@
-"""The `relayrl` command: train, plot, models."""
+"""The `relayrl` command: train, eval, show-trajectories, plot, models."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from relayrl.config import ConfigError
@@ -26,6 +27,33 @@ def _train(args: argparse.Namespace) -> int:
     final = train(cfg)
     if final:
         print("final eval: " + ", ".join(f"{k}={v:.4f}" for k, v in final.items() if "pass" in k or "reward" in k))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import json
+
+    from relayrl.config.schema import load_run_config
+    from relayrl.loop import evaluate
+    from relayrl.utils import atomic_write_text
+
+    extra = [f"model.path={args.model}"] if args.model else []
+    cfg = load_run_config(args.config, [*args.overrides, *extra])
+    if not any(o.startswith("run.name=") for o in args.overrides):
+        cfg.run.name = f"{cfg.run.name}-eval"
+    metrics = evaluate(cfg)
+    for k, v in sorted(metrics.items()):
+        print(f"{k:32s} {v:.4f}")
+    if args.out:
+        atomic_write_text(args.out, json.dumps({"model": cfg.model.path, **metrics}, indent=2) + "\n")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from relayrl.trajectories import show
+
+    colour = sys.stdout.isatty() and not args.no_color
+    print(show(args.run_dir, args.version, args.limit, args.only, colour=colour), end="")
     return 0
 
 
@@ -59,6 +87,19 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     t.add_argument("--help-config", action="store_true", help="list every config key with its default")
     t.set_defaults(fn=_train)
+    e = sub.add_parser("eval", help="evaluate a base model or a run's saved model on the config's eval set")
+    e.add_argument("--config", required=True, help="YAML config (its data.eval, agent, judge, eval.* are used)")
+    e.add_argument("--model", help="model folder to evaluate, e.g. runs/NAME/model (default: model.path)")
+    e.add_argument("--out", help="also write the metrics to this JSON file")
+    e.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.n=8 eval.temperature=1.0")
+    e.set_defaults(fn=_eval)
+    st = sub.add_parser("show-trajectories", help="print a run's logged trajectories with colour")
+    st.add_argument("run_dir")
+    st.add_argument("--version", type=int, help="only trajectories started by this policy version")
+    st.add_argument("--limit", type=int, default=10, help="show the last N (default 10)")
+    st.add_argument("--only", choices=["success", "fail"])
+    st.add_argument("--no-color", action="store_true")
+    st.set_defaults(fn=_show)
     pl = sub.add_parser("plot", help="plot reward / pass-rate curves of one or more runs to PNG")
     pl.add_argument("run_dirs", nargs="+")
     pl.add_argument("--out", help="PNG path (default: RUN_DIR/reward.png)")
@@ -73,6 +114,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # user code named by import path in configs lives in the project folder
     try:
         return args.fn(args)
     except ConfigError as e:

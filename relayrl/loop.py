@@ -25,6 +25,8 @@ def train_colocated(c: Components) -> dict[str, float]:
         t0 = time.perf_counter()
         metrics = c.env.produce_batch(c.data, cfg.data.batch_size)
         batch = c.data.get_batch()
+        if c.trajectories is not None:
+            c.trajectories.log(batch, step)
         metrics |= rollout_metrics(batch)
         metrics |= c.train_ctl.fit(batch)
         c.train_ctl.sync_weights(c.rollout_ctl)
@@ -34,6 +36,8 @@ def train_colocated(c: Components) -> dict[str, float]:
             last_eval = _evaluate(c, step)
     if cfg.eval.at_end:
         last_eval = _evaluate(c, cfg.run.steps)
+    if cfg.run.save_final:
+        tqdm.write(f"model saved to {c.save_model(c.run_dir / 'model')}")
     return last_eval
 
 
@@ -43,6 +47,16 @@ def train(cfg: Config) -> dict[str, float]:
     print(f"run folder: {c.run_dir}")
     try:
         return train_colocated(c)
+    finally:
+        c.close()
+
+
+def evaluate(cfg: Config) -> dict[str, float]:
+    """Evaluate cfg.model.path (a base model or a run's saved model) on the eval set, with the run's agent."""
+    c = build(cfg, train=False)
+    print(f"eval folder: {c.run_dir}")
+    try:
+        return _evaluate(c, 0)
     finally:
         c.close()
 

@@ -184,6 +184,16 @@ def prepare_smollm2(force: bool = False) -> Path:
     return _atomic_build(target, lambda tmp: _convert_smollm2(gguf_file, tmp), force=force)
 
 
+def save_pretrained_atomic(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                           path: str | os.PathLike) -> Path:
+    """Save model + tokenizer as a plain HF folder; readers never see a half-written one."""
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return _atomic_build(Path(path), write, force=True)
+
+
 MODEL_ALIASES: dict[str, Callable[..., Path]] = {"smollm2": prepare_smollm2}
 _ALIAS_DIRS: dict[str, Callable[[], Path]] = {"smollm2": smollm2_dir}
 

@@ -11,7 +11,7 @@ import pytest
 from relayrl.build import build
 from relayrl.cli import main
 from relayrl.config.schema import load_run_config
-from relayrl.loop import train_colocated
+from relayrl.loop import train, train_colocated
 from relayrl.plot import plot_run
 from relayrl.utils import read_jsonl
 
@@ -128,3 +128,22 @@ def test_presets_expand_and_explicit_keys_win():
     assert (cfg.algo.adv_leave_one_out, cfg.algo.adv_std) == (True, "none")
     cfg = load_run_config("examples/arithmetic_grpo.yaml", ["algo.preset=dr_grpo", "algo.adv_std=batch"])
     assert (cfg.algo.loss_agg, cfg.algo.adv_std) == ("seq_mean_token_sum_norm", "batch")
+
+
+EXAMPLES = sorted(Path("examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_every_example_config_runs_a_step_on_the_tiny_model(example, tiny_path, tmp_path, monkeypatch):
+    """The shipped examples load, and one training step of each works (tiny model, tiny sizes)."""
+    monkeypatch.setenv("RELAYRL_GSM8K_DIR", str(Path(TESTS) / "fixtures" / "gsm8k"))
+    monkeypatch.syspath_prepend(str(Path.cwd()))  # examples.* episodes are named by import path
+    cfg = load_run_config(str(example), [
+        f"model.path={tiny_path}", "model.autocast_bf16=false", "engine.dtype=float32", "data.batch_size=1",
+        "data.group_size=2", "data.train.size=4", "sampling.max_new_tokens=8", "run.steps=1", "eval.size=1",
+        "eval.n=1", "eval.every=0", f"run.output_dir={tmp_path}", "run.tensorboard=false", "run.print_samples=0",
+        "run.save_final=false", "judge.workers=1"])
+    final = train(cfg)
+    assert "eval/pass@1" in final
+    rows = read_jsonl(tmp_path / cfg.run.name / "metrics.jsonl")
+    assert any("train/loss" in r for r in rows)

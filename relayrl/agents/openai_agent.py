@@ -44,10 +44,17 @@ class Call:
 
 
 class Session:
-    """The calls of one episode, in order."""
+    """The calls of one episode, in order; `score` lets episode code ask the run's judge about a text."""
 
-    def __init__(self, sid: str):
-        self.sid, self.calls = sid, []
+    def __init__(self, sid: str, judge=None, row: dict[str, Any] | None = None):
+        self.sid, self.calls, self.judge, self.row = sid, [], judge, row or {}
+
+    async def score(self, text: str) -> float:
+        """The judge's verdict on `text` for this episode's row: its "correct" metric, else its reward."""
+        if self.judge is None:
+            raise RuntimeError("this agent has no judge")
+        reward, metrics, _ = await self.judge.score(text, self.row, self.sid)
+        return float(metrics.get("correct", reward))
 
     def set_reward(self, completion_id: str, reward: float) -> None:
         for call in self.calls:
@@ -158,7 +165,7 @@ class OpenAIAgent(Agent):
         self.app = make_openai_app(self.backend)
 
     async def generate_sample(self, sample: Sample) -> list[Sample]:
-        session = self.backend.sessions[sample.uid] = Session(sample.uid)
+        session = self.backend.sessions[sample.uid] = Session(sample.uid, self.judge, sample.data)
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://relayrl",
                                          timeout=None) as http:

@@ -181,6 +181,8 @@ class RunConfig:
     tensorboard: bool = True
     threads: int | None = None  # torch intra-op threads (default: all cores)
     print_samples: int = 1  # responses shown per step in the console
+    log_trajectories: bool = True  # RUN_DIR/trajectories/<version>/{samples.txt,monitor.jsonl}
+    save_final: bool = True  # RUN_DIR/model: the trained policy as a plain HF folder (for relayrl eval)
 
 
 @dataclass

@@ -1,0 +1,74 @@
+"""ToolAgent end to end on a real tiny model taught (by a few real optimizer steps) to emit a tool call."""
+
+import asyncio
+
+import pytest
+import torch
+
+from relayrl.agents.chat import continuation_ids
+from relayrl.agents.tool import ToolAgent, parse_tool_calls
+from relayrl.engine.base import SamplingParams
+from relayrl.engine.local import LocalEngine
+from relayrl.models import eos_token_ids, load_model, load_tokenizer
+from relayrl.rollout import RolloutController
+from relayrl.sample import NO_VERSION, Sample
+
+
+def memorize(model, prefix: list[int], target: list[int], steps: int = 300) -> None:
+    """Teach the model to continue `prefix` with `target` greedily (real training, no scripted engine)."""
+    ids = torch.tensor([prefix + target])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        logits = model(ids).logits[0, len(prefix) - 1: -1]
+        if bool((logits.argmax(-1) == ids[0, len(prefix):]).all()) and logits.softmax(-1).max(-1).values.min() > 0.9:
+            break  # greedy decoding now reproduces the target with a clear margin
+        loss = torch.nn.functional.cross_entropy(logits, ids[0, len(prefix):])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+def test_parse_tool_calls():
+    calls = parse_tool_calls('x <tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call> '
+                             '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>'
+                             '<tool_call>{oops}</tool_call><tool_call>[1, 2]</tool_call>')
+    assert calls[0] == {"name": "calculator", "arguments": {"expression": "2+2"}}
+    assert calls[1] == {"name": "python", "arguments": {"code": "print(1)"}}
+    assert calls[2].startswith("error: tool call is not valid JSON") and calls[3].startswith("error: a tool call")
+    assert parse_tool_calls("no calls here") == []
+
+
+@pytest.mark.parametrize("call, result", [
+    ('{"name": "calculator", "arguments": {"expression": "6*7"}}', "42"),
+    ('{"name": "calculator", "arguments": {"expression": 6*7}', "error: tool call is not valid JSON"),
+    ('{"name": "teleport", "arguments": {}}', "error: unknown tool 'teleport'"),
+    ('{"name": "python", "arguments": {"code": "print(sum(range(5)))"}}', "10"),
+    ('{"name": "python", "arguments": {"script": "print(1)"}}', "error: bad arguments for python"),
+])
+def test_tool_call_round_trip(tiny_path, call, result):
+    tok = load_tokenizer(tiny_path)
+    model = load_model(tiny_path)
+    engine = LocalEngine(model, eos_token_ids=eos_token_ids(tok, tiny_path), max_batch_size=2)
+    agent = ToolAgent(RolloutController([engine]), tok, SamplingParams(max_new_tokens=128, temperature=0),
+                      None, tools=["python", "calculator"], max_turns=2)
+    row = {"question": "What is 6 times 7?"}
+    prompt = agent.prompt_ids(row)
+    emitted = tok(f"<tool_call>{call}</tool_call>", add_special_tokens=False)["input_ids"] + [agent.eot]
+    memorize(model, prompt, emitted)
+    try:
+        s = asyncio.run(agent.generate_sample(Sample(prompt_ids=[0], data=row)))
+    finally:
+        engine.close()
+    assert s.prompt_ids == prompt and "calculator(expression)" in tok.decode(prompt)
+    assert s.response_ids[: s.turns[0].end] == emitted  # turn 1: the tool call, trained on
+    tool_ids = s.response_ids[s.turns[0].end: s.turns[1].start]  # then the tool result, not trained on
+    text = tok.decode(tool_ids)
+    assert text.startswith("\n<|im_start|>tool\n" + result) and text.endswith("<|im_start|>assistant\n")
+    expected = continuation_ids(tok, [{"role": "tool", "content": text.split("\n")[2].split("<|im_end|>")[0]}])
+    assert tool_ids == expected
+    assert set(s.loss_mask[s.turns[0].end: s.turns[1].start]) == {0}
+    assert set(s.versions[s.turns[0].end: s.turns[1].start]) == {NO_VERSION}
+    assert s.metrics["tool_calls"] == 1 and s.metrics["tool_errors"] == float(result.startswith("error"))
+    assert len(s.turns) == 2  # max_turns reached
