@@ -24,7 +24,7 @@ from relayrl.judge import Judge
 from relayrl.metrics import MetricsLogger
 from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path, save_pretrained_atomic
 from relayrl.rollout import RolloutController
-from relayrl.scheduler import SyncScheduler
+from relayrl.scheduler import AsyncScheduler, SyncScheduler, group_filter
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
 from relayrl.trajectories import TrajectoryLogger
@@ -105,6 +105,7 @@ def build(cfg: Config, *, train: bool = True) -> Components:
     if not train and not eval_rows:
         raise ValueError("data.eval: evaluation needs an eval dataset")
     agent_cls = agent_class(cfg.agent.kind)
+    group_filter(cfg.scheduler.group_filter)  # a bad filter path fails here, before any model loads
     judge = Judge(cfg.judge.reward_fn, cfg.judge.kwargs, timeout=cfg.judge.timeout, workers=cfg.judge.workers)
     judge.start()  # worker start-up overlaps model loading
     try:
@@ -121,14 +122,17 @@ def _build_with_judge(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judg
     tokenizer = load_tokenizer(model_path)
     prompt_fn = PromptBuilder(tokenizer, cfg.data.prompt)
     eos = eos_token_ids(tokenizer, model_path)
-    engines = [LocalEngine(load_model(model_path, dtype=cfg.engine.dtype), eos_token_ids=eos,
-                           max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.engine.max_seq_len,
-                           seed=cfg.run.seed + i) for i in range(cfg.engine.num_engines)]
-    rollout_ctl = RolloutController(engines)
+    e = cfg.engine
+    engine_kw = dict(eos_token_ids=eos, max_batch_size=e.max_batch_size, max_seq_len=e.max_seq_len,
+                     max_tokens_in_flight=e.max_tokens_in_flight, prefix_cache_size=e.prefix_cache_size,
+                     kv_on_update=e.kv_on_update)
+    engines = [LocalEngine(load_model(model_path, dtype=e.dtype), seed=cfg.run.seed + i, **engine_kw)
+               for i in range(e.num_engines)]
+    rollout_ctl = RolloutController(engines, partial_rollout=cfg.scheduler.partial_rollout)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     train_ctl = _train_controller(cfg, model_path, pad_id) if train_rows is not None else None
     agent = agent_cls(rollout_ctl, tokenizer, sampling_params(cfg), judge, **cfg.agent.kwargs)
-    env = Env(agent, SyncScheduler(cfg.agent.timeout))
+    env = Env(agent, make_scheduler(cfg, rollout_ctl), SyncScheduler(cfg.agent.timeout))
     data = None
     if train_rows is not None:
         data = DataManager(train_rows, prompt_fn, group_size=cfg.data.group_size, shuffle=cfg.data.shuffle,
@@ -143,6 +147,17 @@ def _build_with_judge(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judg
     judge.wait_ready()
     return Components(cfg, run_dir, tokenizer, rollout_ctl, judge, env, data, train_ctl, logger,
                       eval_agent, eval_data, trajectories=trajectories)
+
+
+def make_scheduler(cfg: Config, rollout_ctl: RolloutController) -> SyncScheduler | AsyncScheduler:
+    s = cfg.scheduler
+    keep = group_filter(s.group_filter)
+    if s.mode == "async":
+        return AsyncScheduler(cfg.data.batch_size, max_staleness=s.max_staleness, max_concurrency=s.max_concurrency,
+                              agent_timeout=cfg.agent.timeout, group_filter=keep,
+                              version_fn=lambda: rollout_ctl.version)
+    return SyncScheduler(cfg.agent.timeout, over_sample=s.over_sample, group_filter=keep,
+                         max_attempts_factor=s.max_attempts_factor)
 
 
 def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainController:

@@ -78,6 +78,15 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from relayrl.serve.server import serve
+
+    serve(args.model, host=args.host, port=args.port, dtype=args.dtype, max_batch_size=args.max_batch_size,
+          max_seq_len=args.max_seq_len, max_tokens_in_flight=args.max_tokens_in_flight, api_key=args.api_key,
+          seed=args.seed, log_level=args.log_level)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="relayrl", description="RL training for LLM agents")
     sub = p.add_subparsers(dest="command", required=True)
@@ -109,6 +118,18 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("name", help="alias (smollm2) for prepare; output folder for tiny")
     m.add_argument("--force", action="store_true")
     m.set_defaults(fn=_models)
+    sv = sub.add_parser("serve", help="serve a model over HTTP (SGLang-compatible native API + OpenAI API)")
+    sv.add_argument("--model", required=True, help="model folder or alias (smollm2)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=30000, help="port (0: any free port; the ready line says which)")
+    sv.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    sv.add_argument("--max-batch-size", type=int, default=64, help="most sequences decoded together")
+    sv.add_argument("--max-seq-len", type=int, help="prompt + output limit (default: the model's)")
+    sv.add_argument("--max-tokens-in-flight", type=int, help="admission budget of prompt + max_new_tokens")
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
+    sv.add_argument("--seed", type=int, default=0, help="seed of unseeded requests' sampling")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sv.set_defaults(fn=_serve)
     return p
 
 

@@ -3,24 +3,31 @@
 Agents, judges and engine calls are asyncio coroutines; the training loop is plain Python. The Env
 owns an event loop on a background thread and exposes `produce_batch()` as a blocking call, so the
 main loop reads like seed 002's pseudo-code while many trajectories run concurrently underneath.
+With an AsyncScheduler, `start_producer()` runs seed 002's `produce_loop` on that loop beside the
+trainer, and `get_batch()` hands the trainer batches within the staleness bound.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Coroutine
 from typing import Any
 
 from relayrl.agents.base import Agent
 from relayrl.data.manager import DataManager
-from relayrl.scheduler import SyncScheduler
+from relayrl.scheduler import AsyncScheduler, SyncScheduler
 
 
 class Env:
-    def __init__(self, agent: Agent, scheduler: SyncScheduler | None = None):
+    def __init__(self, agent: Agent, scheduler: SyncScheduler | AsyncScheduler | None = None,
+                 eval_scheduler: SyncScheduler | None = None):
         self.agent = agent
         self.scheduler = scheduler or SyncScheduler()
+        self.eval_scheduler = eval_scheduler or SyncScheduler()
+        self._producer: asyncio.Task | None = None
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="relayrl-env-loop", daemon=True)
         self._thread.start()
@@ -35,10 +42,43 @@ class Env:
             raise
 
     def produce_batch(self, data_mgr: DataManager, batch_size: int, agent: Agent | None = None) -> dict:
-        """Generate `batch_size` prompt groups into `data_mgr`'s replay buffer; returns scheduler stats."""
-        return self.run(self.scheduler.produce_batch(batch_size, data_mgr, agent or self.agent))
+        """Generate `batch_size` prompt groups into `data_mgr`'s replay buffer; returns scheduler stats.
+
+        With an agent given (evaluation), the plain synchronous scheduler runs it, even beside a producer.
+        """
+        scheduler = self.scheduler if agent is None else self.eval_scheduler
+        return self.run(scheduler.produce_batch(batch_size, data_mgr, agent or self.agent))
+
+    # ---- asynchronous production ---------------------------------------------------------------
+    def start_producer(self, data_mgr: DataManager) -> None:
+        """Start seed 002's produce_loop beside the caller: rollouts keep going while it trains."""
+        if not isinstance(self.scheduler, AsyncScheduler):
+            raise TypeError("start_producer needs an AsyncScheduler (scheduler.mode=async)")
+
+        async def start() -> asyncio.Task:
+            return asyncio.create_task(self.scheduler.produce_loop(data_mgr, self.agent))
+
+        self._producer = self.run(start())
+
+    def get_batch(self, data_mgr: DataManager, version: int, timeout: float | None = None) -> tuple[list, dict]:
+        """The next batch from the producer, no staler than the bound (blocks; re-raises producer errors)."""
+        return self.scheduler.get_batch(data_mgr, version, timeout)
+
+    def notify_version(self) -> None:
+        self.scheduler.notify()
+
+    def stop_producer(self, timeout: float = 30.0) -> None:
+        """Cancel the producer and every trajectory it runs; their engine requests are dropped."""
+        task, self._producer = self._producer, None
+        if task is None or not self.loop.is_running():
+            return
+        self.loop.call_soon_threadsafe(task.cancel)
+        waiter = asyncio.run_coroutine_threadsafe(asyncio.wait({task}), self.loop)
+        with contextlib.suppress(concurrent.futures.TimeoutError):
+            waiter.result(timeout=timeout)
 
     def close(self) -> None:
+        self.stop_producer()
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)

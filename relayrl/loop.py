@@ -1,6 +1,8 @@
 """The main training loops: short functions that compose the components (seed 002).
 
 `train_colocated` is the whole synchronous algorithm: rollout, fit, relay weights, log.
+`train_async` is seed 002's separate loop: a producer keeps generating beside the trainer, which takes
+batches within the staleness bound.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from tqdm import tqdm
 from relayrl.build import Components, build
 from relayrl.config.schema import Config
 from relayrl.evaluator import rollout_metrics
+from relayrl.sample import Sample
 
 
 def train_colocated(c: Components) -> dict[str, float]:
@@ -34,11 +37,50 @@ def train_colocated(c: Components) -> dict[str, float]:
         _log(c, step, metrics, bar, batch)
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.run.steps:
             last_eval = _evaluate(c, step)
-    if cfg.eval.at_end:
-        last_eval = _evaluate(c, cfg.run.steps)
-    if cfg.run.save_final:
+    return _finish(c, last_eval)
+
+
+def _finish(c: Components, last_eval: dict[str, float]) -> dict[str, float]:
+    if c.cfg.eval.at_end:
+        last_eval = _evaluate(c, c.cfg.run.steps)
+    if c.cfg.run.save_final:
         tqdm.write(f"model saved to {c.save_model(c.run_dir / 'model')}")
     return last_eval
+
+
+def train_async(c: Components) -> dict[str, float]:
+    """Asynchronous RL: rollouts never wait for training; every trained token is at most
+    scheduler.max_staleness policy versions old."""
+    cfg = c.cfg
+    last_eval = _evaluate(c, 0) if cfg.eval.at_start else {}
+    c.env.start_producer(c.data)
+    try:
+        bar = tqdm(range(1, cfg.run.steps + 1), desc="train", unit="step", dynamic_ncols=True,
+                   disable=not sys.stderr.isatty())
+        for step in bar:
+            t0 = time.perf_counter()
+            batch, metrics = c.env.get_batch(c.data, c.train_ctl.version)
+            if c.trajectories is not None:
+                c.trajectories.log(batch, step)
+            metrics |= rollout_metrics(batch) | staleness_metrics(batch, c.train_ctl.version)
+            metrics |= c.train_ctl.fit(batch)
+            c.train_ctl.sync_weights(c.rollout_ctl)
+            c.env.notify_version()
+            metrics["time/rollout_s"] = metrics["time/wait_for_batch_s"]
+            metrics |= _perf(c, metrics, time.perf_counter() - t0)
+            _log(c, step, metrics, bar, batch)
+            if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.run.steps:
+                last_eval = _evaluate(c, step)
+    finally:
+        c.env.stop_producer()
+    return _finish(c, last_eval)
+
+
+def staleness_metrics(batch: list[Sample], version: int) -> dict[str, float]:
+    """How many versions behind the trainer the oldest token of each sample is: min / mean / max."""
+    lags = [s.staleness(version) for s in batch]
+    return {"staleness/min": float(min(lags)), "staleness/mean": sum(lags) / len(lags),
+            "staleness/max": float(max(lags))}
 
 
 def train(cfg: Config) -> dict[str, float]:
@@ -46,7 +88,7 @@ def train(cfg: Config) -> dict[str, float]:
     c = build(cfg)
     print(f"run folder: {c.run_dir}")
     try:
-        return train_colocated(c)
+        return train_async(c) if cfg.scheduler.mode == "async" else train_colocated(c)
     finally:
         c.close()
 

@@ -3,6 +3,11 @@
 Agents talk only to the controller. It routes each request to an engine -- sticky per trajectory
 (`rid`), so the turns of one trajectory land where their KV cache is -- and it fans weight updates,
 pauses and versions out to every engine.
+
+Partial rollout: a generation that comes back "abort" (an engine interrupted it, e.g. for a weight
+update) is resubmitted with the tokens it already has (`partial_rollout="continue"`: nothing lost, the
+versions change mid-sequence) or from scratch (`"requeue"`). With "requeue" the controller aborts every
+in-flight generation on a weight update, so no sequence mixes policies.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import torch
 
@@ -17,12 +23,15 @@ from relayrl.engine.base import GenOutput, InferenceEngine, SamplingParams
 
 
 class RolloutController:
-    def __init__(self, engines: list[InferenceEngine]):
+    def __init__(self, engines: list[InferenceEngine], partial_rollout: str = "continue"):
         if not engines:
             raise ValueError("RolloutController needs at least one engine")
-        self.engines = engines
+        if partial_rollout not in ("continue", "requeue"):
+            raise ValueError(f"partial_rollout must be 'continue' or 'requeue', got {partial_rollout!r}")
+        self.engines, self.partial_rollout = engines, partial_rollout
         self._next = 0
-        self.stats = {"requests": 0, "weight_updates": 0, "weight_update_s": 0.0}
+        self._closing = False
+        self.stats = {"requests": 0, "weight_updates": 0, "weight_update_s": 0.0, "resubmits": 0}
 
     @property
     def version(self) -> int:
@@ -37,8 +46,20 @@ class RolloutController:
         return self.engines[self._next]
 
     async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> GenOutput:
+        """Generate, resubmitting interrupted generations (see the module docstring)."""
         self.stats["requests"] += 1
-        return await self._route(rid).agenerate(input_ids, params, rid)
+        got = GenOutput([], [], [], "abort", len(input_ids))
+        while True:
+            left = params.max_new_tokens - len(got.output_ids)
+            out = await self._route(rid).agenerate(input_ids + got.output_ids,
+                                                   replace(params, max_new_tokens=left), rid)
+            got = GenOutput(got.output_ids + out.output_ids, got.logprobs + out.logprobs,
+                            got.versions + out.versions, out.finish_reason, len(input_ids))
+            if out.finish_reason != "abort" or self._closing or len(got.output_ids) >= params.max_new_tokens:
+                return got
+            self.stats["resubmits"] += 1
+            if self.partial_rollout == "requeue":
+                got = GenOutput([], [], [], "abort", len(input_ids))
 
     def update_weights(self, named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]], version: int) -> None:
         """Pause every engine at a token boundary, load the weights, bump the version, resume.
@@ -51,6 +72,8 @@ class RolloutController:
         try:
             for e in self.engines:
                 e.update_weights(named_tensors(), version)
+                if self.partial_rollout == "requeue":
+                    e.abort()  # their generations restart from scratch under the new weights
         finally:
             for e in self.engines:
                 e.resume()
@@ -66,5 +89,6 @@ class RolloutController:
             e.resume()
 
     def close(self) -> None:
+        self._closing = True
         for e in self.engines:
             e.close()

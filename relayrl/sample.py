@@ -67,6 +67,7 @@ class Sample:
     finish_reason: str | None = None
     error: str | None = None
     response_text: str = ""
+    seed: int | None = None  # sampling seed: the same sample gets the same tokens however it is batched
 
     # ---- growth -------------------------------------------------------------------------------
     def append_generated(self, ids: list[int], logprobs: list[float], versions: list[int], finish: str) -> None:

@@ -67,3 +67,21 @@ async def tool_history_episode(client, row):
     messages.append({"role": "tool", "tool_call_id": "call_0", "content": "4"})
     await client.chat.completions.create(model="m", messages=messages, tools=tools, max_tokens=6)
     return 1.0
+
+
+class LongTailAgent(SingleTurnAgent):
+    """Single-turn agent whose response lengths are random and long-tailed (seeded per sample)."""
+
+    async def generate_sample(self, sample: Sample) -> Sample:
+        import random
+        from dataclasses import replace
+
+        rng = random.Random(sample.seed)
+        n = 2 + int(rng.paretovariate(1.2)) % 40
+        self.sampling = replace(self.sampling, max_new_tokens=n, ignore_eos=True)
+        return await super().generate_sample(sample)
+
+
+def failing_prompt_fn_rows(n: int = 20):
+    """Rows where the 7th question makes the data pipeline itself fail (not an agent)."""
+    return [{"question": "BOOM" if i == 6 else f"{i}+1?", "answer": str(i + 1)} for i in range(n)]

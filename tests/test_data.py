@@ -123,4 +123,28 @@ def test_replay_buffer_hands_out_completed_samples_once(tiny_path):
     dm.add_to_replay_buffer(group)
     batch = dm.get_batch()
     assert batch == [group[0]] and batch[0].status == Status.ARCHIVED
-    assert dm.get_batch() == [] and dm.replay_buffer == [group[1]]
+    assert dm.get_batch() == [] and len(dm.replay_buffer) == 0  # the unfinished sample never entered
+
+
+def test_replay_buffer_waits_for_groups_and_reports_producer_failure(tiny_path):
+    import threading
+
+    dm = DataManager(make_rows(4), PromptBuilder(load_tokenizer(tiny_path), PromptConfig()), group_size=1)
+    groups = [dm.sample_from_dataset() for _ in range(3)]
+    for g in groups:
+        g[0].status = Status.COMPLETED
+
+    def produce():
+        for g in groups:
+            dm.add_to_replay_buffer(g)
+
+    threading.Timer(0.2, produce).start()
+    assert [s.uid for s in dm.get_batch(3, timeout=5)] == [g[0].uid for g in groups]  # FIFO
+    with pytest.raises(TimeoutError):
+        dm.get_batch(1, timeout=0.1)
+    dm.replay_buffer.fail(ValueError("agent exploded"))
+    with pytest.raises(RuntimeError, match="producer failed") as info:
+        dm.get_batch(1)
+    assert isinstance(info.value.__cause__, ValueError)
+    dm.requeue({"question": "again?", "answer": "1"})
+    assert dm.sample_from_dataset()[0].data["question"] == "again?"

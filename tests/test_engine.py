@@ -1,5 +1,6 @@
 """LocalEngine on a real tiny model: exactness against plain HF forwards, batching, stops, weights."""
 
+import asyncio
 import collections
 import concurrent.futures
 
@@ -144,3 +145,110 @@ def test_bad_requests_fail_clearly(engine):
         engine.submit([], SamplingParams())
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
+
+
+def test_next_turn_reuses_the_parked_kv_and_stays_exact(model, tiny_path):
+    eng = LocalEngine(model, eos_token_ids=[], max_batch_size=4)
+    try:
+        p = SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True)
+        prompt = [5, 6, 7, 8]
+        out1 = eng.submit(prompt, p, rid="traj-1").result()
+        turn2 = prompt + out1.output_ids + [9, 10, 11]  # e.g. a feedback turn appended as token ids
+        out2 = eng.submit(turn2, p, rid="traj-1").result()
+        assert eng.stats["reused_tokens"] == len(prompt) + len(out1.output_ids) - 1
+        assert torch.allclose(torch.tensor(out2.logprobs), full_forward_logprobs(model, turn2, out2.output_ids),
+                              atol=1e-5)
+        other = eng.submit([1, 2] + out1.output_ids, p, rid="traj-1").result()  # not an extension: no reuse
+        assert eng.stats["reused_tokens"] == len(prompt) + len(out1.output_ids) - 1 and len(other.output_ids) == 8
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("kv_on_update", ["recompute", "keep"])
+def test_weights_change_mid_sequence_partial_rollout(tiny_path, kv_on_update):
+    model = load_model(tiny_path)
+    eng = LocalEngine(model, eos_token_ids=[], max_batch_size=2, kv_on_update=kv_on_update)
+    try:
+        eng.pause()
+        fut = eng.submit([5, 6, 7], SamplingParams(max_new_tokens=40, ignore_eos=True, seed=1))
+        eng.resume()
+        while eng.stats["generated_tokens"] < 10:  # let it run a few tokens with version 0
+            pass
+        new = [(n, p + 0.3 * torch.randn_like(p)) for n, p in model.named_parameters()]
+        eng.update_weights(new, version=1)
+        out = fut.result(timeout=30)
+    finally:
+        eng.close()
+    assert out.versions[0] == 0 and out.versions[-1] == 1 and len(out.output_ids) == 40
+    switch = out.versions.index(1)
+    assert set(out.versions[:switch]) == {0} and set(out.versions[switch:]) == {1}
+    # tokens after the switch were sampled by the new weights; with "recompute" the KV of the prefix was
+    # rebuilt by them too, so their logprobs are exactly the new model's on the full sequence
+    ref = full_forward_logprobs(model, [5, 6, 7], out.output_ids)
+    after = torch.tensor(out.logprobs[switch:]) - ref[switch:]
+    if kv_on_update == "recompute":
+        assert after.abs().max() < 1e-4
+    else:
+        assert after.abs().max() > 1e-4  # stale KV of the old weights: close, not equal
+
+
+def test_abort_returns_partial_outputs(engine):
+    engine.pause()
+    futs = [engine.submit([5, 6, 7], SamplingParams(max_new_tokens=500, ignore_eos=True), rid=f"r{i}")
+            for i in range(3)]
+    engine.resume()
+    while engine.stats["generated_tokens"] < 6:
+        pass
+    assert engine.abort("r1") == 1
+    out = futs[1].result(timeout=10)
+    assert out.finish_reason == "abort" and 0 < len(out.output_ids) < 500
+    assert engine.abort() == 2
+    assert all(f.result(timeout=10).finish_reason == "abort" for f in futs)
+
+
+def test_cancelled_requests_free_their_slot(engine):
+    async def go():
+        task = asyncio.create_task(engine.agenerate([5, 6], SamplingParams(max_new_tokens=10_000, ignore_eos=True)))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        await asyncio.sleep(0.2)
+        return await engine.agenerate([5, 6], SamplingParams(max_new_tokens=3, ignore_eos=True))
+
+    assert len(asyncio.run(go()).output_ids) == 3
+    assert engine.num_running() == 0
+
+
+def test_tokens_in_flight_budget_limits_the_batch(model):
+    eng = LocalEngine(model, eos_token_ids=[], max_batch_size=8, max_tokens_in_flight=40)
+    try:
+        peak = []
+        orig = eng._decode_step
+
+        def spy():
+            peak.append(len(eng._active))
+            orig()
+
+        eng._decode_step = spy
+        eng.generate([[5, 6, 7, 8]] * 6, SamplingParams(max_new_tokens=16, ignore_eos=True))
+        assert max(peak) == 2  # each request may use 4 + 16 tokens: two fit in 40
+    finally:
+        eng.close()
+
+
+def test_load_weights_from_disk(tiny_path, tmp_path):
+    from relayrl.models import save_pretrained_atomic
+
+    model = load_model(tiny_path)
+    changed = load_model(tiny_path)
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.add_(0.1)
+    save_pretrained_atomic(changed, load_tokenizer(tiny_path), tmp_path / "v1")
+    eng = LocalEngine(model, eos_token_ids=[], max_batch_size=2)
+    eng.load_weights_from_disk(str(tmp_path / "v1"), version=1)
+    for (n, a), (_, b) in zip(model.named_parameters(), changed.named_parameters()):
+        assert torch.equal(a, b), n
+    assert eng.version == 1
+    with pytest.raises(FileNotFoundError):
+        eng.load_weights_from_disk(str(tmp_path), version=2)
+    eng.close()

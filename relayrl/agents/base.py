@@ -7,6 +7,8 @@ new ones in a few lines and name them in the config by import path.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from relayrl.engine.base import SamplingParams
 from relayrl.judge import Judge
 from relayrl.rollout import RolloutController
@@ -25,6 +27,12 @@ class Agent:
 
     async def generate_sample(self, sample: Sample) -> Sample:
         raise NotImplementedError
+
+    def params_for(self, sample: Sample, turn: int = 0) -> SamplingParams:
+        """Sampling params for one engine call: seeded per sample and turn when the sample has a seed."""
+        if sample.seed is None:
+            return self.sampling
+        return replace(self.sampling, seed=(sample.seed * 1_000_003 + turn) % (2**63))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -54,7 +54,7 @@ class ReflectionAgent(Agent):
     async def generate_sample(self, sample: Sample) -> Sample:
         successes: list[float] = []
         for turn in range(self.max_turns):
-            out = await self.rollout_ctl.generate(sample.input_ids, self.sampling, rid=sample.uid)
+            out = await self.rollout_ctl.generate(sample.input_ids, self.params_for(sample, turn), rid=sample.uid)
             sample.append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason)
             _, metrics, error = await self.judge.score(self.decode(out.output_ids), sample.data, sample.uid)
             sample.error = error or sample.error

@@ -8,7 +8,7 @@ from relayrl.sample import Sample, Status
 
 class SingleTurnAgent(Agent):
     async def generate_sample(self, sample: Sample) -> Sample:
-        out = await self.rollout_ctl.generate(sample.prompt_ids, self.sampling, rid=sample.uid)
+        out = await self.rollout_ctl.generate(sample.prompt_ids, self.params_for(sample), rid=sample.uid)
         sample.append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason)
         sample.response_text = self.decode(out.output_ids)
         if self.judge is not None:

@@ -100,7 +100,7 @@ class ToolAgent(Agent):
         n_calls = n_errors = 0
         final_text = ""
         for turn in range(self.max_turns):
-            out = await self.rollout_ctl.generate(sample.input_ids, self.sampling, rid=sample.uid)
+            out = await self.rollout_ctl.generate(sample.input_ids, self.params_for(sample, turn), rid=sample.uid)
             sample.append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason)
             final_text = self.decode(out.output_ids)
             calls = parse_tool_calls(final_text)

@@ -50,10 +50,15 @@ class EngineConfig:
     max_batch_size: int = 64  # sequences decoded together
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
     num_engines: int = 1
+    max_tokens_in_flight: int | None = None  # admit requests while sum(prompt + max_new_tokens) fits
+    prefix_cache_size: int = 64  # finished trajectories whose KV is kept for their next turn
+    kv_on_update: Literal["recompute", "keep"] = "recompute"  # KV of running sequences after a weight update
 
     def validate(self) -> None:
         check(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")
         check(self.num_engines >= 1, "num_engines", "must be >= 1")
+        check(self.max_tokens_in_flight is None or self.max_tokens_in_flight >= 1, "max_tokens_in_flight",
+              "must be >= 1")
 
 
 @dataclass
@@ -126,6 +131,23 @@ class AgentConfig:
 
 
 @dataclass
+class SchedulerConfig:
+    mode: Literal["sync", "async"] = "sync"  # async: a producer keeps generating while the trainer trains
+    max_staleness: int = 1  # async: policy versions a trained token may lag behind the trainer
+    max_concurrency: int = 64  # async: prompt groups generating at once
+    over_sample: float = 0.0  # sync: start (1 + over_sample) x batch_size groups, keep the first to finish
+    group_filter: str = "none"  # none | mixed (drop groups whose rewards are all equal) | package.module:fn
+    max_attempts_factor: float = 4.0  # groups tried per batch group when a filter drops groups
+    partial_rollout: Literal["continue", "requeue"] = "continue"  # sequences in flight at a weight update
+
+    def validate(self) -> None:
+        check(self.max_staleness >= 0, "max_staleness", "must be >= 0")
+        check(self.max_concurrency >= 1, "max_concurrency", "must be >= 1")
+        check(self.over_sample >= 0, "over_sample", "must be >= 0")
+        check(self.max_attempts_factor >= 1, "max_attempts_factor", "must be >= 1")
+
+
+@dataclass
 class AlgoConfig:
     preset: Literal["grpo", "dr_grpo", "rloo", "custom"] = "grpo"
     adv_mean: Literal["group", "batch", "none"] = "group"
@@ -137,6 +159,11 @@ class AlgoConfig:
     kl_coef: float = 0.0  # > 0 loads a frozen reference model and adds KL to the loss
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0
+    # decoupled PPO (AReaL): clip around recomputed proximal logprobs, weight tokens by pi_prox / pi_behav
+    decoupled: bool = False
+    behav_weight_cap: float | None = 5.0  # None: no cap
+    behav_weight_mode: Literal["clamp", "mask"] = "mask"  # tokens above the cap: weight clamped, or dropped
+    behav_weight_level: Literal["token", "sequence"] = "token"  # sequence: geometric mean over the sequence
 
     def validate(self) -> None:
         check(self.clip_low >= 0 and self.clip_high >= 0, "clip_low", "clip ranges must be >= 0")
@@ -193,6 +220,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -2,13 +2,18 @@
 
 The dataloader is torchdata's StatefulDataLoader, so its position (epoch, shuffled order, RNG) can
 be saved and restored with the rest of a checkpoint. `sample_from_dataset()` returns one GRPO group:
-`group_size` samples of the same prompt sharing a group id.
+`group_size` samples of the same prompt sharing a group id. The replay buffer holds finished groups
+first in, first out; it is thread-safe because an asynchronous producer fills it from its own thread
+while the trainer takes batches.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 import warnings
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -22,9 +27,50 @@ def _first(batch: list[Any]) -> Any:
     return batch[0]
 
 
+class ReplayBuffer:
+    """Finished groups of samples, oldest first. `take` blocks until enough groups are there, and re-raises
+    a producer's failure in the waiting trainer instead of letting it wait forever."""
+
+    def __init__(self):
+        self._groups: deque[list[Sample]] = deque()
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def put(self, group: list[Sample]) -> None:
+        with self._cond:
+            self._groups.append(group)
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def take(self, n_groups: int | None = None, timeout: float | None = None) -> list[list[Sample]]:
+        """The oldest n groups (all of them if n is None, without waiting)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while n_groups is not None and len(self._groups) < n_groups:
+                if self._error is not None:
+                    raise RuntimeError("the rollout producer failed") from self._error
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"waited {timeout}s for {n_groups} groups, have {len(self._groups)}")
+                self._cond.wait(timeout=1.0 if left is None else min(left, 1.0))
+            n = len(self._groups) if n_groups is None else n_groups
+            return [self._groups.popleft() for _ in range(n)]
+
+    def groups(self) -> list[list[Sample]]:
+        with self._cond:
+            return list(self._groups)
+
+
 class DataManager:
     def __init__(self, rows: list[dict[str, Any]], prompt_fn: Callable[[dict[str, Any]], list[int]], *,
-                 group_size: int, shuffle: bool = True, seed: int = 0):
+                 group_size: int, shuffle: bool = True, seed: int = 0, seed_samples: bool = True):
         self.rows, self.prompt_fn, self.group_size, self.seed = rows, prompt_fn, group_size, seed
         self._generator = torch.Generator().manual_seed(seed)
         with warnings.catch_warnings():  # torchdata 0.11 warns about its own deprecated torch call
@@ -33,12 +79,17 @@ class DataManager:
                                              generator=self._generator)
         self._it = iter(self.loader)
         self.epoch = 0
-        self.replay_buffer: list[Sample] = []
+        self.drawn = 0  # prompts handed out so far: with the run seed, it seeds each sample's sampling
+        self.seed_samples = seed_samples
+        self.replay_buffer = ReplayBuffer()
+        self._requeued: deque[dict[str, Any]] = deque()  # prompts to generate again first (expired groups)
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def _next_row(self) -> dict[str, Any]:
+        if self._requeued:
+            return self._requeued.popleft()
         try:
             return next(self._it)
         except StopIteration:
@@ -53,29 +104,39 @@ class DataManager:
         row = self._next_row()
         prompt_ids = self.prompt_fn(row)
         gid = uuid.uuid4().hex[:12]
-        return [Sample(prompt_ids=list(prompt_ids), data=row, group_id=gid, index=i)
-                for i in range(self.group_size)]
+        base = (self.seed * 1_000_003 + self.drawn) * 997 if self.seed_samples else None
+        self.drawn += 1
+        return [Sample(prompt_ids=list(prompt_ids), data=row, group_id=gid, index=i,
+                       seed=None if base is None else base + i) for i in range(self.group_size)]
 
     def reset(self) -> None:
-        """Restart from the first prompt of the current order (used for a fixed eval pass)."""
+        """Restart from the first prompt of the current order with the same sample seeds (a fixed eval
+        pass: evaluations before and after training then share their random numbers)."""
         self._it = iter(self.loader)
+        self.drawn = 0
+
+    def requeue(self, row: dict[str, Any]) -> None:
+        """Generate this prompt again before any new one (its samples expired)."""
+        self._requeued.append(row)
 
     # ---- replay buffer ----------------------------------------------------------------------------
     def add_to_replay_buffer(self, samples: list[Sample]) -> None:
-        self.replay_buffer.extend(samples)
+        """Add one group's finished samples (those not COMPLETED are left out)."""
+        done = [s for s in samples if s.status == Status.COMPLETED]
+        if done:
+            self.replay_buffer.put(done)
 
-    def get_batch(self) -> list[Sample]:
-        """Take every completed sample from the buffer (marking them archived)."""
-        batch = [s for s in self.replay_buffer if s.status == Status.COMPLETED]
-        self.replay_buffer = [s for s in self.replay_buffer if s.status != Status.COMPLETED]
+    def get_batch(self, n_groups: int | None = None, timeout: float | None = None) -> list[Sample]:
+        """Take the oldest n groups (every buffered group if None), waiting for them; marks them archived."""
+        batch = [s for group in self.replay_buffer.take(n_groups, timeout) for s in group]
         for s in batch:
             s.status = Status.ARCHIVED
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"loader": self.loader.state_dict(), "epoch": self.epoch}
+        return {"loader": self.loader.state_dict(), "epoch": self.epoch, "drawn": self.drawn}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state["loader"])
-        self.epoch = state["epoch"]
+        self.epoch, self.drawn = state["epoch"], state.get("drawn", 0)
         self._it = iter(self.loader)

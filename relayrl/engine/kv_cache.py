@@ -48,9 +48,18 @@ class SlotKVCache:
             t[dst, :, :length] = t[src, :, :length]
 
     # ---- modes set by the engine before each forward -----------------------------------------
-    def prefill_into(self, slot: int) -> None:
-        """Next forward is a single-sequence prefill whose keys/values go to `slot` from position 0."""
-        self._mode = ("prefill", slot)
+    def prefill_into(self, slot: int, start: int = 0) -> None:
+        """Next forward is a single-sequence prefill whose keys/values go to `slot` from `start` on,
+        attending to the slot's first `start` positions (a reused prefix) as well."""
+        self._mode = ("prefill", slot, start)
+
+    def export(self, slot: int, length: int) -> list[torch.Tensor]:
+        """A copy of a slot's first `length` positions (all layers, keys then values), to park it."""
+        return [t[slot, :, :length].clone() for t in self.k + self.v]
+
+    def restore(self, slot: int, saved: list[torch.Tensor]) -> None:
+        for t, s in zip(self.k + self.v, saved):
+            t[slot, :, : s.shape[1]] = s
 
     def decode(self, positions: torch.Tensor, kv_len: int) -> None:
         """Next forward feeds one token per active slot 0..n-1, written at `positions` [n]."""
@@ -60,11 +69,13 @@ class SlotKVCache:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         mode = self._mode[0]
         if mode == "prefill":
-            slot = self._mode[1]
-            n = key.shape[2]
-            self.k[layer_idx][slot, :, :n] = key[0]
-            self.v[layer_idx][slot, :, :n] = value[0]
-            return key, value
+            slot, start = self._mode[1], self._mode[2]
+            end = start + key.shape[2]
+            self.k[layer_idx][slot, :, start:end] = key[0]
+            self.v[layer_idx][slot, :, start:end] = value[0]
+            if start == 0:
+                return key, value
+            return self.k[layer_idx][slot: slot + 1, :, :end], self.v[layer_idx][slot: slot + 1, :, :end]
         if mode == "decode":
             positions, kv_len = self._mode[1], self._mode[2]
             rows = torch.arange(key.shape[0])

@@ -8,7 +8,11 @@ group does not hold short ones hostage.
 
 Weight updates and pauses take effect between steps (at a token boundary): `update_weights` takes
 the step lock, so no forward ever mixes two policies, and every token is stamped with the version
-of the weights that sampled it.
+of the weights that sampled it. Running sequences then continue with the new weights (partial
+rollout); with kv_on_update="recompute" their KV cache is first rebuilt under the new weights.
+
+A finished request that names a trajectory (`rid`) leaves its KV cache parked; the trajectory's next
+turn (a prompt that extends the parked tokens) reuses it and prefills only the new tokens.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -40,13 +44,25 @@ class _Seq:
     versions: list[int] = field(default_factory=list)
     kv_len: int = 0  # positions written to the KV cache (the last sampled token is not yet written)
     prompt_logits: torch.Tensor | None = None  # last-position logits of the prompt, for prefix sharing
+    rid: str | None = None
+    refill: bool = False  # rebuild this sequence's KV before its next step (weights changed)
+
+    @property
+    def cost(self) -> int:
+        return len(self.prompt) + self.params.max_new_tokens
+
+    def output(self, reason: str) -> GenOutput:
+        return GenOutput(self.out_ids, self.logprobs, self.versions, reason, len(self.prompt))
 
 
 class LocalEngine:
     """Continuous-batching generation over a Hugging Face causal LM held in this process."""
 
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: Iterable[int], max_batch_size: int = 64,
-                 max_seq_len: int | None = None, seed: int = 0):
+                 max_seq_len: int | None = None, seed: int = 0, max_tokens_in_flight: int | None = None,
+                 prefix_cache_size: int = 64, kv_on_update: str = "recompute"):
+        if kv_on_update not in ("recompute", "keep"):
+            raise ValueError(f"kv_on_update must be 'recompute' or 'keep', got {kv_on_update!r}")
         cfg = model.config
         self.model = model.eval()
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -56,7 +72,11 @@ class LocalEngine:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.cache = SlotKVCache(cfg.num_hidden_layers, kv_heads, head_dim, next(model.parameters()).dtype)
         self._params = dict(model.named_parameters())
+        self._state = model.state_dict(keep_vars=True)  # also holds tied aliases (lm_head.weight)
         self._generator = torch.Generator().manual_seed(seed)
+        self.max_tokens_in_flight, self.kv_on_update = max_tokens_in_flight, kv_on_update
+        self._parked: OrderedDict[str, tuple[list[int], list[torch.Tensor]]] = OrderedDict()
+        self.prefix_cache_size = prefix_cache_size
         self._waiting: deque[_Seq] = deque()
         self._active: list[_Seq] = []  # index = KV slot
         self._cond = threading.Condition()
@@ -65,7 +85,8 @@ class LocalEngine:
         self._closed = False
         self._version = 0
         self._thread: threading.Thread | None = None
-        self.stats = {"generated_tokens": 0, "prefill_tokens": 0, "prefills": 0, "steps": 0, "busy_s": 0.0}
+        self.stats = {"generated_tokens": 0, "prefill_tokens": 0, "prefills": 0, "steps": 0, "busy_s": 0.0,
+                      "reused_tokens": 0, "aborted": 0}
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str = "bfloat16", **kwargs) -> LocalEngine:
@@ -79,15 +100,15 @@ class LocalEngine:
     def version(self) -> int:
         return self._version
 
-    def submit(self, input_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
-        """Queue one generation; the future resolves to a GenOutput."""
+    def submit(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> concurrent.futures.Future:
+        """Queue one generation; the future resolves to a GenOutput. `rid` names the trajectory (KV reuse, abort)."""
         if not input_ids:
             raise ValueError("input_ids is empty")
         if len(input_ids) >= self.max_seq_len:
             raise ValueError(f"prompt of {len(input_ids)} tokens does not fit max_seq_len={self.max_seq_len}")
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        seq = _Seq(list(input_ids), params, concurrent.futures.Future(), stop, gen)
+        seq = _Seq(list(input_ids), params, concurrent.futures.Future(), stop, gen, rid=rid)
         with self._cond:
             if self._closed:
                 raise RuntimeError("LocalEngine is closed")
@@ -97,7 +118,8 @@ class LocalEngine:
         return seq.future
 
     async def agenerate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> GenOutput:
-        return await asyncio.wrap_future(self.submit(input_ids, params))
+        """Generate; cancelling the awaiting task frees the request's slot at the next step."""
+        return await asyncio.wrap_future(self.submit(input_ids, params, rid))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenOutput]:
         """Blocking batch generation (convenience for scripts and tests)."""
@@ -108,10 +130,48 @@ class LocalEngine:
         """Copy new weights in place between two decode steps and stamp later tokens with `version`."""
         with self._step_lock, torch.no_grad():
             for name, tensor in named_tensors:
-                if name not in self._params:
+                if name not in self._state:
                     raise KeyError(f"engine model has no parameter {name!r}")
-                self._params[name].copy_(tensor)
+                self._state[name].copy_(tensor)
             self._version = version
+            self._parked.clear()  # parked KV was computed by the old weights
+            if self.kv_on_update == "recompute":
+                for seq in self._active:
+                    seq.refill = True
+
+    def load_weights_from_disk(self, path: str, version: int) -> None:
+        """Load every *.safetensors file of a folder (e.g. a saved HF model) as new weights."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors files in {path}")
+        tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
+        self.update_weights(tensors.items(), version)
+
+    def abort(self, rid: str | None = None) -> int:
+        """Finish the matching requests (all if rid is None) now, with finish_reason "abort" and the
+        tokens generated so far; returns how many were aborted."""
+        with self._step_lock, torch.inference_mode():
+            with self._cond:
+                hit = [q for q in self._waiting if rid is None or q.rid == rid]
+                for q in hit:
+                    self._waiting.remove(q)
+            for q in hit:
+                _resolve(q, q.output("abort"))
+            slots = [i for i, q in enumerate(self._active) if rid is None or q.rid == rid]
+            for i in reversed(slots):
+                q = self._release(i)
+                _resolve(q, q.output("abort"))
+            self.stats["aborted"] += len(hit) + len(slots)
+            return len(hit) + len(slots)
+
+    def flush_cache(self) -> None:
+        """Forget parked KV (finished trajectories' prefixes)."""
+        with self._step_lock:
+            self._parked.clear()
 
     def set_version(self, version: int) -> None:
         with self._step_lock:
@@ -155,12 +215,13 @@ class LocalEngine:
                     self._cond.wait()
                 if self._closed:
                     return
-                free = self.max_batch_size - len(self._active)
-                new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+                new = self._take_admissible()
             with self._step_lock, torch.inference_mode():
                 t0 = time.perf_counter()
                 try:
-                    self._admit(new)
+                    self._drop_cancelled()
+                    self._refill()
+                    self._admit([q for q in new if not q.future.cancelled()])
                     if self._active:
                         self._decode_step()
                 except Exception as e:  # a failed forward fails its requests, not the engine
@@ -170,8 +231,32 @@ class LocalEngine:
                     self._active.clear()
                 self.stats["busy_s"] += time.perf_counter() - t0
 
+    def _take_admissible(self) -> list[_Seq]:
+        """Waiting requests that fit the free slots and the tokens-in-flight budget (called under _cond)."""
+        used = sum(q.cost for q in self._active)
+        new: list[_Seq] = []
+        while self._waiting and len(self._active) + len(new) < self.max_batch_size:
+            cost = self._waiting[0].cost
+            if self.max_tokens_in_flight and used + cost > self.max_tokens_in_flight and (self._active or new):
+                break
+            new.append(self._waiting.popleft())
+            used += cost
+        return new
+
+    def _drop_cancelled(self) -> None:
+        for i in range(len(self._active) - 1, -1, -1):
+            if self._active[i].future.cancelled():
+                self._release(i)
+
+    def _refill(self) -> None:
+        """Rebuild the KV of sequences that were running when the weights changed."""
+        for slot, seq in enumerate(self._active):
+            if seq.refill:
+                self._prefill(seq.prompt + seq.out_ids[:-1], slot)
+                seq.refill = False
+
     def _admit(self, new: list[_Seq]) -> None:
-        """Prefill each distinct prompt once and give every request its own slot."""
+        """Prefill each distinct prompt once (reusing a parked prefix if any); one slot per request."""
         groups: dict[tuple[int, ...], list[_Seq]] = {}
         for seq in new:
             groups.setdefault(tuple(seq.prompt), []).append(seq)
@@ -181,7 +266,7 @@ class LocalEngine:
             first = len(self._active)
             twin = self._running_twin(prompt)
             if twin is None:
-                logits = self._prefill(list(prompt), first)
+                logits = self._prefill(list(prompt), first, self._reuse(seqs[0], first))
                 start = 1
             else:  # a sample of the same group is already running: its prompt KV is still intact
                 logits, start = self._active[twin].prompt_logits, 0
@@ -201,11 +286,24 @@ class LocalEngine:
                 return slot
         return None
 
-    def _prefill(self, prompt: list[int], slot: int) -> torch.Tensor:
-        n = len(prompt)
-        self.cache.prefill_into(slot)
-        mask = torch.ones(n, n, dtype=torch.bool).tril_()[None, None]
-        out = self.model(input_ids=torch.tensor([prompt]), position_ids=torch.arange(n)[None],
+    def _reuse(self, seq: _Seq, slot: int) -> int:
+        """Restore the parked KV of seq's trajectory into `slot` if seq's prompt extends it; tokens reused."""
+        parked = self._parked.pop(seq.rid, None) if seq.rid is not None else None
+        if parked is None:
+            return 0
+        tokens, kv = parked
+        if len(tokens) >= len(seq.prompt) or seq.prompt[: len(tokens)] != tokens:
+            return 0
+        self.cache.restore(slot, kv)
+        self.stats["reused_tokens"] += len(tokens)
+        return len(tokens)
+
+    def _prefill(self, tokens: list[int], slot: int, start: int = 0) -> torch.Tensor:
+        """Run tokens[start:] through the model into `slot` (positions < start are already cached)."""
+        n = len(tokens) - start
+        self.cache.prefill_into(slot, start)
+        mask = torch.ones(n, len(tokens), dtype=torch.bool).tril_(diagonal=start)[None, None]
+        out = self.model(input_ids=torch.tensor([tokens[start:]]), position_ids=torch.arange(start, len(tokens))[None],
                          attention_mask=mask, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.stats["prefill_tokens"] += n
         self.stats["prefills"] += 1
@@ -243,18 +341,31 @@ class LocalEngine:
         return None
 
     def _retire_finished(self) -> None:
-        """Resolve finished requests and keep active slots dense (move the last slot into the hole)."""
+        """Resolve finished requests, park their KV for the trajectory's next turn, free their slots."""
         for i in range(len(self._active) - 1, -1, -1):
             seq = self._active[i]
             reason = self._finish_reason(seq)
             if reason is None:
                 continue
-            last = len(self._active) - 1
-            if i != last:
-                self.cache.copy_slot(last, i, self._active[last].kv_len)
-                self._active[i] = self._active[last]
-            self._active.pop()
-            seq.future.set_result(GenOutput(seq.out_ids, seq.logprobs, seq.versions, reason, len(seq.prompt)))
+            if seq.rid is not None and self.prefix_cache_size > 0:
+                self._parked[seq.rid] = (seq.prompt + seq.out_ids[:-1], self.cache.export(i, seq.kv_len))
+                while len(self._parked) > self.prefix_cache_size:
+                    self._parked.popitem(last=False)
+            _resolve(self._release(i), seq.output(reason))
+
+    def _release(self, i: int) -> _Seq:
+        """Remove the sequence in slot i, keeping slots dense (the last slot moves into the hole)."""
+        seq, last = self._active[i], len(self._active) - 1
+        if i != last:
+            self.cache.copy_slot(last, i, self._active[last].kv_len)
+            self._active[i] = self._active[last]
+        self._active.pop()
+        return seq
+
+
+def _resolve(seq: _Seq, out: GenOutput) -> None:
+    if not seq.future.done():  # a caller may have cancelled it
+        seq.future.set_result(out)
 
 
 def _round_up(x: int, multiple: int) -> int:

@@ -7,11 +7,16 @@ The routes only translate between OpenAI JSON and a backend's two coroutines, so
 
 Extensions (as vLLM and SGLang offer): `return_token_ids: true` adds `prompt_token_ids` and `token_ids` to
 each choice; logprobs come back for every generated token when `logprobs: true`.
+
+Streaming is not supported: `stream: true` is answered with HTTP 400 ("stream: streaming is not supported")
+rather than with a non-streamed body that a streaming client would fail to parse.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from fastapi import FastAPI, HTTPException, Request
@@ -44,11 +49,13 @@ def chat_response(cid: str, model: str, content: str | None, tool_calls: list[di
                                            "total_tokens": len(prompt_ids) + len(output_ids)}}
 
 
-def make_openai_app(backend: ChatBackend, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="relayrl OpenAI-compatible API")
+def make_openai_app(backend: ChatBackend, api_key: str | None = None, lifespan: Callable | None = None) -> FastAPI:
+    """The /v1 routes over `backend`; `lifespan` lets a server own resources (an engine) for the app's life."""
+    app = FastAPI(title="relayrl OpenAI-compatible API", lifespan=lifespan)
 
     def check_key(request: Request) -> None:
-        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+        given = request.headers.get("authorization", "")
+        if api_key is not None and not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
             raise HTTPException(status_code=401, detail="invalid API key")
 
     async def handle(request: Request, fn, session: str | None) -> JSONResponse:
@@ -56,11 +63,15 @@ def make_openai_app(backend: ChatBackend, api_key: str | None = None) -> FastAPI
         try:
             body = await request.json()
         except ValueError:
-            return _error(400, "request body is not JSON")
+            return error_response(400, "request body is not JSON")
+        if not isinstance(body, dict):
+            return error_response(400, "body: must be a JSON object")
+        if body.get("stream"):
+            return error_response(400, "stream: streaming is not supported")
         try:
             return JSONResponse(await fn(body, session))
         except (ValueError, KeyError, TypeError) as e:  # bad request content, named in the message
-            return _error(400, f"{type(e).__name__}: {e}")
+            return error_response(400, f"{type(e).__name__}: {e}")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -87,6 +98,7 @@ def make_openai_app(backend: ChatBackend, api_key: str | None = None) -> FastAPI
     return app
 
 
-def _error(status: int, message: str) -> JSONResponse:
+def error_response(status: int, message: str) -> JSONResponse:
+    """OpenAI's (and SGLang's) error body, so clients of either API read our errors the usual way."""
     return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": status}},
                         status_code=status)

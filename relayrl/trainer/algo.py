@@ -106,6 +106,31 @@ def token_weights(lengths: list[int], agg: str, norm_len: int | None = None) -> 
     raise ValueError(f"unknown loss aggregation {agg!r}")
 
 
+# ---- decoupled PPO: behaviour importance weights ----------------------------------------------
+def behav_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, lengths: list[int], *,
+                  cap: float | None, mode: str = "mask", level: str = "token") -> tuple[torch.Tensor, torch.Tensor]:
+    """AReaL's decoupled-PPO weight pi_prox / pi_behav per trained token, and which tokens hit the cap.
+
+    level "sequence" uses each sequence's geometric mean ratio for all its tokens. Above `cap`, mode
+    "clamp" truncates the weight to the cap, "mask" sets it to 0 (the token still counts in the
+    token-mean denominator, so masking shrinks the gradient instead of renormalising it).
+    """
+    log_w = prox_logp - behav_logp
+    if level == "sequence":
+        log_w = torch.cat([part.mean().expand(len(part)) if len(part) else part for part in log_w.split(lengths)])
+    elif level != "token":
+        raise ValueError(f"unknown behaviour-weight level {level!r}")
+    w = torch.exp(log_w)
+    capped = w > cap if cap is not None else torch.zeros_like(w, dtype=torch.bool)
+    if mode == "clamp":
+        w = w.clamp(max=cap) if cap is not None else w
+    elif mode == "mask":
+        w = w.masked_fill(capped, 0.0)
+    else:
+        raise ValueError(f"unknown behaviour-weight mode {mode!r}")
+    return w, capped
+
+
 # ---- policy loss ------------------------------------------------------------------------------
 @dataclass
 class LossInputs:
@@ -116,6 +141,7 @@ class LossInputs:
     weights: torch.Tensor  # loss weights (see token_weights)
     stat_weight: float  # 1 / trained tokens in the whole batch: diagnostics are plain token means
     ref_logp: torch.Tensor | None = None
+    behav_weight: torch.Tensor | None = None  # decoupled PPO: pi_prox / pi_behav per token (capped)
 
 
 def policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inp: LossInputs, *, clip_low: float,
@@ -123,8 +149,9 @@ def policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inp: LossInput
                 entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with separate low/high clip, plus optional KL-to-reference and entropy terms.
 
-    Per token: l = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) + kl_coef * KL - ent_coef * H,
-    r = exp(logp - old_logp). Returns (sum(weights * l), diagnostics); diagnostics are this
+    Per token: l = -w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) + kl_coef * KL - ent_coef * H,
+    r = exp(logp - old_logp), w the decoupled-PPO behaviour weight (1 if not decoupled; then old_logp
+    is the proximal policy). Returns (sum(weights * l), diagnostics); diagnostics are this
     micro-batch's share of batch-wide token means, so the caller just adds them up.
     """
     w, sw, adv = inp.weights, inp.stat_weight, inp.advantages
@@ -134,6 +161,8 @@ def policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inp: LossInput
     surr1 = ratio * adv
     surr2 = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     per_token = -torch.minimum(surr1, surr2)
+    if inp.behav_weight is not None:
+        per_token = per_token * inp.behav_weight
     clipped = (surr2 < surr1).float()
     stats = {
         "pg_loss": float((w * per_token.detach()).sum()),

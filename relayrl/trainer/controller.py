@@ -12,7 +12,14 @@ import torch
 
 from relayrl.config.schema import AlgoConfig, TrainConfig
 from relayrl.sample import Sample
-from relayrl.trainer.algo import LossInputs, compute_advantages, policy_loss, reduce_stats, token_weights
+from relayrl.trainer.algo import (
+    LossInputs,
+    behav_weights,
+    compute_advantages,
+    policy_loss,
+    reduce_stats,
+    token_weights,
+)
 from relayrl.trainer.engine import TrainEngine
 from relayrl.trainer.packer import MicroBatch, Packer, TrainBatch
 
@@ -25,6 +32,7 @@ class TrainController:
         self.packer = Packer(train.micro_batch_tokens, pad_id, train.share_prompt, train.row_tokens)
         self.max_new_tokens = max_new_tokens
         self.version = 0
+        self._behav_stats: dict[str, float] = {}
 
     # ---- high-level API ---------------------------------------------------------------------
     def fit(self, samples: list[Sample]) -> dict[str, float]:
@@ -44,8 +52,9 @@ class TrainController:
 
     # ---- low-level API ----------------------------------------------------------------------
     def needs_old_logprobs(self) -> bool:
-        """One update per batch is on-policy: old logprobs equal the detached new ones, skip the pass."""
-        return self.train_cfg.epochs > 1 or self.train_cfg.minibatches > 1
+        """One plain update per batch is on-policy: old logprobs equal the detached new ones, skip the pass.
+        Decoupled PPO always recomputes them: they are the proximal policy."""
+        return self.algo.decoupled or self.train_cfg.epochs > 1 or self.train_cfg.minibatches > 1
 
     def compute_old_logprobs(self, batch: TrainBatch) -> TrainBatch:
         if self.needs_old_logprobs():
@@ -82,6 +91,12 @@ class TrainController:
         batch.per_token["advantages"] = [_token_values(s, v) for s, v in zip(batch.samples, per_sample)]
         batch.per_token["behav_logp"] = [torch.tensor([lp for lp, m in zip(s.logprobs, s.loss_mask) if m])
                                          for s in batch.samples]
+        if a.decoupled:
+            w, capped = behav_weights(batch.flat("old_logp"), batch.flat("behav_logp"), batch.lengths,
+                                      cap=a.behav_weight_cap, mode=a.behav_weight_mode, level=a.behav_weight_level)
+            batch.per_token["behav_weight"] = list(w.split(batch.lengths))
+            self._behav_stats = {"train/behav_weight_mean": float(w.mean()), "train/behav_weight_max": float(w.max()),
+                                 "train/behav_capped_frac": float(capped.float().mean())}
         return batch
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
@@ -96,6 +111,7 @@ class TrainController:
                                                          entropy_grad=self.algo.entropy_coef != 0))
         metrics = {f"train/{k}": v for k, v in reduce_stats(per_update, mean=True).items()}
         metrics.update(self._batch_metrics(batch))
+        metrics.update(self._behav_stats)
         self.version += 1
         return metrics
 
@@ -125,7 +141,7 @@ class TrainController:
         def loss_fn(mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor | None):
             inp = LossInputs(old_logp=batch.gather("old_logp", mb), advantages=batch.gather("advantages", mb),
                              weights=batch.gather("weights", mb), stat_weight=stat_weight,
-                             ref_logp=batch.gather("ref_logp", mb))
+                             ref_logp=batch.gather("ref_logp", mb), behav_weight=batch.gather("behav_weight", mb))
             loss, stats = policy_loss(logp, entropy, inp, clip_low=a.clip_low, clip_high=a.clip_high,
                                       kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
                                       entropy_coef=a.entropy_coef)

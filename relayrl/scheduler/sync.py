@@ -1,0 +1,61 @@
+"""`SyncScheduler` (seed 002): start a batch of prompt groups, wait for them, fill the replay buffer.
+
+Options: over-sampling (start more groups than the batch needs and keep the first that finish, which
+cuts the long tail; the rest are cancelled and their engine slots freed) and a group filter (e.g. drop
+groups whose rewards are all equal, DAPO's dynamic sampling) that keeps the batch size by starting
+replacement groups, up to `max_attempts_factor` x batch size attempts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+from relayrl.agents.base import Agent
+from relayrl.data.manager import DataManager
+from relayrl.sample import Status
+from relayrl.scheduler.common import GroupFilter, keep_all, run_group
+
+logger = logging.getLogger(__name__)
+
+
+class SyncScheduler:
+    def __init__(self, agent_timeout: float | None = None, *, over_sample: float = 0.0,
+                 group_filter: GroupFilter = keep_all, max_attempts_factor: float = 4.0):
+        self.agent_timeout, self.over_sample = agent_timeout, over_sample
+        self.group_filter, self.max_attempts_factor = group_filter, max_attempts_factor
+
+    async def produce_batch(self, batch_size: int, data_mgr: DataManager, agent: Agent) -> dict[str, float]:
+        t0 = time.perf_counter()
+        budget = max(batch_size, math.ceil(batch_size * self.max_attempts_factor))
+        launched = min(budget, math.ceil(batch_size * (1 + self.over_sample)))
+        pending = {self._start(data_mgr, agent) for _ in range(launched)}
+        accepted, failed, filtered = [], 0, 0
+        while pending and len(accepted) < batch_size:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                group = task.result()
+                failed += sum(s.status == Status.FAILED for s in group)
+                if self.group_filter(group):
+                    accepted.append(group)
+                    continue
+                filtered += 1
+                if launched < budget:  # keep the batch size: try another prompt
+                    pending.add(self._start(data_mgr, agent))
+                    launched += 1
+        for task in pending:  # over-sampled groups still running: not needed
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        if len(accepted) < batch_size:
+            logger.warning("only %d of %d groups passed the group filter after %d attempts",
+                           len(accepted), batch_size, launched)
+        for group in accepted[:batch_size]:
+            data_mgr.add_to_replay_buffer(group)
+        return {"rollout/failed": float(failed), "rollout/groups_filtered": float(filtered),
+                "rollout/groups_dropped": float(len(pending) + max(0, len(accepted) - batch_size)),
+                "time/rollout_s": time.perf_counter() - t0}
+
+    def _start(self, data_mgr: DataManager, agent: Agent) -> asyncio.Task:
+        return asyncio.ensure_future(run_group(data_mgr.sample_from_dataset(), agent, self.agent_timeout))
