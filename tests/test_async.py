@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from engines_for_tests import HaltingEngine
 
 from relayrl.build import build
 from relayrl.config.schema import load_run_config
 from relayrl.engine.base import SamplingParams
-from relayrl.engine.local import LocalEngine
 from relayrl.loop import train_async, train_colocated
 from relayrl.models import load_model
 from relayrl.rollout import RolloutController
@@ -98,17 +98,18 @@ def test_staleness_zero_gives_the_same_batches_as_sync(tiny_path, data, tmp_path
 @pytest.mark.parametrize("mode", ["continue", "requeue"])
 def test_interrupted_generation_is_resubmitted(tiny_path, mode):
     model = load_model(tiny_path)
-    eng = LocalEngine(model, eos_token_ids=[], max_batch_size=2)
+    eng = HaltingEngine(model, eos_token_ids=[], max_batch_size=2, halt_at=15)
     ctl = RolloutController([eng], partial_rollout=mode)
 
     async def go():
         task = asyncio.create_task(ctl.generate([5, 6, 7], SamplingParams(max_new_tokens=60, ignore_eos=True, seed=3),
                                                 rid="t"))
-        while eng.stats["generated_tokens"] < 15:
+        while not eng.halted.is_set():  # 15 tokens generated with version 0
             await asyncio.sleep(0.001)
         ctl.update_weights(lambda: [(n, p + 0.3 * torch.randn_like(p)) for n, p in model.named_parameters()], 1)
         if mode == "continue":
             eng.abort("t")  # e.g. a remote server dropping requests on a weight update
+        eng.resume()
         return await task
 
     out = asyncio.run(go())

@@ -6,6 +6,7 @@ import concurrent.futures
 
 import pytest
 import torch
+from engines_for_tests import HaltingEngine
 
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
@@ -167,15 +168,13 @@ def test_next_turn_reuses_the_parked_kv_and_stays_exact(model, tiny_path):
 @pytest.mark.parametrize("kv_on_update", ["recompute", "keep"])
 def test_weights_change_mid_sequence_partial_rollout(tiny_path, kv_on_update):
     model = load_model(tiny_path)
-    eng = LocalEngine(model, eos_token_ids=[], max_batch_size=2, kv_on_update=kv_on_update)
+    eng = HaltingEngine(model, eos_token_ids=[], max_batch_size=2, kv_on_update=kv_on_update, halt_at=10)
     try:
-        eng.pause()
         fut = eng.submit([5, 6, 7], SamplingParams(max_new_tokens=40, ignore_eos=True, seed=1))
-        eng.resume()
-        while eng.stats["generated_tokens"] < 10:  # let it run a few tokens with version 0
-            pass
+        assert eng.halted.wait(30)  # 10 tokens generated with version 0
         new = [(n, p + 0.3 * torch.randn_like(p)) for n, p in model.named_parameters()]
         eng.update_weights(new, version=1)
+        eng.resume()
         out = fut.result(timeout=30)
     finally:
         eng.close()
@@ -192,18 +191,17 @@ def test_weights_change_mid_sequence_partial_rollout(tiny_path, kv_on_update):
         assert after.abs().max() > 1e-4  # stale KV of the old weights: close, not equal
 
 
-def test_abort_returns_partial_outputs(engine):
-    engine.pause()
+def test_abort_returns_partial_outputs(tiny_path):
+    engine = HaltingEngine(load_model(tiny_path), eos_token_ids=[], max_batch_size=4, halt_at=6)
     futs = [engine.submit([5, 6, 7], SamplingParams(max_new_tokens=500, ignore_eos=True), rid=f"r{i}")
             for i in range(3)]
-    engine.resume()
-    while engine.stats["generated_tokens"] < 6:
-        pass
+    assert engine.halted.wait(30)  # paused between two steps: aborts are deterministic
     assert engine.abort("r1") == 1
     out = futs[1].result(timeout=10)
     assert out.finish_reason == "abort" and 0 < len(out.output_ids) < 500
     assert engine.abort() == 2
     assert all(f.result(timeout=10).finish_reason == "abort" for f in futs)
+    engine.close()
 
 
 def test_cancelled_requests_free_their_slot(engine):
