@@ -7,6 +7,7 @@ class) is checked before any model weights are loaded, so a typo costs seconds, 
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,11 +19,14 @@ from relayrl.config.schema import Config
 from relayrl.data import DataManager, PromptBuilder, load_rows
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
+from relayrl.engine.remote import RemoteEngine
 from relayrl.env import Env
 from relayrl.evaluator import Evaluator
 from relayrl.judge import Judge
+from relayrl.launcher import ManagedServer, free_port, relayrl_server, vllm_server
 from relayrl.metrics import MetricsLogger
 from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path, save_pretrained_atomic
+from relayrl.producer import ProducerHandle
 from relayrl.rollout import RolloutController
 from relayrl.scheduler import AsyncScheduler, SyncScheduler, group_filter
 from relayrl.trainer.controller import TrainController
@@ -33,37 +37,76 @@ from relayrl.utils import import_from_path
 
 @dataclass
 class Components:
+    """What a run is made of. Which parts exist depends on the role it was built for (see `build`)."""
+
     cfg: Config
     run_dir: Path
     tokenizer: object
-    rollout_ctl: RolloutController
-    judge: Judge
-    env: Env
+    rollout_ctl: RolloutController | None  # None in a trainer whose rollouts run in a producer process
+    judge: Judge | None
+    env: Env | None
     data: DataManager | None
     train_ctl: TrainController | None
-    logger: MetricsLogger
+    logger: MetricsLogger | None  # None in a producer process: the trainer logs
     eval_agent: Agent | None = None
     eval_data: DataManager | None = None
     evaluator: Evaluator = field(default_factory=Evaluator)
     trajectories: TrajectoryLogger | None = None
+    servers: list[ManagedServer] = field(default_factory=list)  # inference servers this run launched
+    producer: ProducerHandle | None = None  # separate placement: the rollout process
 
     def evaluate(self) -> dict[str, float]:
         """Generate the held-out set with the eval agent and score it (empty if no eval data)."""
+        if self.producer is not None:
+            return self.producer.evaluate()
         if self.eval_data is None:
             return {}
         self.eval_data.reset()
         self.env.produce_batch(self.eval_data, len(self.eval_data), agent=self.eval_agent)
         return self.evaluator.evaluate(self.eval_data.get_batch())
 
+    # ---- the async loop's view of the rollout side, the same for both placements -----------------------
+    def start_producer(self) -> None:
+        if self.producer is None:  # a producer process started producing when it was built
+            self.env.start_producer(self.data)
+
+    def stop_producer(self) -> None:
+        if self.producer is None:
+            self.env.stop_producer()
+
+    def get_batch(self, version: int) -> tuple[list, dict]:
+        """The next batch within the staleness bound at `version`, from this process or the producer."""
+        if self.producer is not None:
+            return self.producer.get_batch(version)
+        return self.env.get_batch(self.data, version)
+
+    def relay_weights(self) -> float:
+        """Send the trained weights to the rollout side (engines here, or the producer); returns seconds."""
+        t0 = time.perf_counter()
+        if self.producer is not None:
+            self.producer.send_weights(self.train_ctl.engine.named_parameters(), self.train_ctl.version)
+        else:
+            self.train_ctl.sync_weights(self.rollout_ctl)
+            self.env.notify_version()
+        return time.perf_counter() - t0
+
     def save_model(self, path: Path) -> Path:
         """Write the trained policy as a plain HF folder (loads with from_pretrained), atomically."""
         return save_pretrained_atomic(self.train_ctl.engine.model, self.tokenizer, path)
 
     def close(self) -> None:
-        self.env.close()
-        self.rollout_ctl.close()
-        self.judge.close()
-        self.logger.close()
+        """Release everything, producer first (it may be using the rest), each part even if another fails."""
+        parts = [self.producer.stop if self.producer else None, self.env and self.env.close,
+                 self.rollout_ctl and self.rollout_ctl.close, self.judge and self.judge.close,
+                 self.logger and self.logger.close, *(s.stop for s in self.servers)]
+        errors = []
+        for close in filter(None, parts):
+            try:
+                close()
+            except Exception as e:  # noqa: PERF203 - one failure must not leak the other processes
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 def new_run_dir(cfg: Config) -> Path:
@@ -93,44 +136,82 @@ def sampling_params(cfg: Config, temperature: float | None = None) -> SamplingPa
                           top_k=s.top_k if t else 0, stop_token_ids=tuple(s.stop_token_ids))
 
 
-def build(cfg: Config, *, train: bool = True) -> Components:
-    """All components of a run; with train=False only what evaluation needs (no trainer, no train data)."""
+ROLES = ("colocated", "eval", "producer", "trainer")
+
+
+def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) -> Components:
+    """The components of a run for one role, cheapest checks first.
+
+    colocated: everything in this process; eval: what evaluation needs (no trainer, no train data);
+    trainer: the policy being trained plus a producer process that builds the "producer" role (engines,
+    agents, judge, prompts, no trainer) in `run_dir` (scheduler.placement=separate).
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     # cheap checks first: data, agent class, reward function, output folder
-    train_rows = load_rows(cfg.data.train) if train else None
+    train_rows = load_rows(cfg.data.train) if role != "eval" else None
     eval_rows = load_rows(cfg.data.eval)[: cfg.eval.size] if cfg.data.eval else None
-    if not train and not eval_rows:
+    if role == "eval" and not eval_rows:
         raise ValueError("data.eval: evaluation needs an eval dataset")
     agent_cls = agent_class(cfg.agent.kind)
     group_filter(cfg.scheduler.group_filter)  # a bad filter path fails here, before any model loads
+    if role == "trainer":
+        import_from_path(cfg.judge.reward_fn)
+        return _build_trainer(cfg)
     judge = Judge(cfg.judge.reward_fn, cfg.judge.kwargs, timeout=cfg.judge.timeout, workers=cfg.judge.workers)
     judge.start()  # worker start-up overlaps model loading
     try:
-        return _build_with_judge(cfg, train_rows, eval_rows, agent_cls, judge)
+        return _build_with_judge(cfg, train_rows, eval_rows, agent_cls, judge, role, run_dir)
     except BaseException:
         judge.close()
         raise
 
 
-def _build_with_judge(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge) -> Components:
+def _build_trainer(cfg: Config) -> Components:
+    """The trainer of separate placement; its producer process starts first so both load models at once."""
     run_dir = new_run_dir(cfg)
     dump_yaml(cfg, str(run_dir / "config.yaml"))
+    producer = ProducerHandle(cfg, run_dir, dist_address=f"127.0.0.1:{free_port()}")
+    try:
+        model_path = resolve_model_path(cfg.model.path)
+        tokenizer = load_tokenizer(model_path)
+        train_ctl = _train_controller(cfg, model_path, _pad_id(tokenizer, model_path))
+        logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
+    except BaseException:
+        producer.stop()
+        raise
+    trajectories = TrajectoryLogger(run_dir, tokenizer) if cfg.run.log_trajectories else None
+    return Components(cfg, run_dir, tokenizer, None, None, None, None, train_ctl, logger,
+                      trajectories=trajectories, producer=producer)
+
+
+def _pad_id(tokenizer, model_path: str) -> int:
+    eos = eos_token_ids(tokenizer, model_path)
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+
+
+def _build_with_judge(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge, role: str,
+                      run_dir: Path | None) -> Components:
+    if run_dir is None:
+        run_dir = new_run_dir(cfg)
+        dump_yaml(cfg, str(run_dir / "config.yaml"))
     model_path = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_path)
     prompt_fn = PromptBuilder(tokenizer, cfg.data.prompt)
     eos = eos_token_ids(tokenizer, model_path)
-    e = cfg.engine
-    engine_kw = dict(eos_token_ids=eos, max_batch_size=e.max_batch_size, max_seq_len=e.max_seq_len,
-                     max_tokens_in_flight=e.max_tokens_in_flight, prefix_cache_size=e.prefix_cache_size,
-                     kv_on_update=e.kv_on_update)
-    engines = [LocalEngine(load_model(model_path, dtype=e.dtype), seed=cfg.run.seed + i, **engine_kw)
-               for i in range(e.num_engines)]
+    servers = launch_servers(cfg, model_path, run_dir)
+    try:
+        engines = make_engines(cfg, model_path, eos, run_dir, [s.url for s in servers])
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
     rollout_ctl = RolloutController(engines, partial_rollout=cfg.scheduler.partial_rollout)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    train_ctl = _train_controller(cfg, model_path, pad_id) if train_rows is not None else None
+    train_ctl = _train_controller(cfg, model_path, _pad_id(tokenizer, model_path)) if role == "colocated" else None
     agent = agent_cls(rollout_ctl, tokenizer, sampling_params(cfg), judge, **cfg.agent.kwargs)
     env = Env(agent, make_scheduler(cfg, rollout_ctl), SyncScheduler(cfg.agent.timeout))
     data = None
@@ -142,11 +223,61 @@ def _build_with_judge(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judg
         eval_agent = agent_cls(rollout_ctl, tokenizer, sampling_params(cfg, cfg.eval.temperature), judge,
                                **cfg.agent.kwargs)
         eval_data = DataManager(eval_rows, prompt_fn, group_size=cfg.eval.n, shuffle=False)
-    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
-    trajectories = TrajectoryLogger(run_dir, tokenizer) if cfg.run.log_trajectories else None
+    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if role != "producer" else None
+    trajectories = TrajectoryLogger(run_dir, tokenizer) if cfg.run.log_trajectories and role != "producer" else None
     judge.wait_ready()
     return Components(cfg, run_dir, tokenizer, rollout_ctl, judge, env, data, train_ctl, logger,
-                      eval_agent, eval_data, trajectories=trajectories)
+                      eval_agent, eval_data, trajectories=trajectories, servers=servers)
+
+
+def launch_servers(cfg: Config, model_path: str, run_dir: Path) -> list[ManagedServer]:
+    """Start engine.num_engines servers when engine.launch asks for them, and wait until all are healthy."""
+    e = cfg.engine
+    if e.kind != "remote" or e.launch == "none":
+        return []
+    servers = []
+    try:
+        for i in range(e.num_engines):
+            log = run_dir / "servers" / f"{e.launch}-{i}.log"
+            if e.launch == "relayrl":
+                server = relayrl_server(model_path, log, dtype=e.dtype, max_batch_size=e.max_batch_size,
+                                        max_seq_len=e.max_seq_len, max_tokens_in_flight=e.max_tokens_in_flight,
+                                        api_key=e.api_key, seed=cfg.run.seed + i)
+            else:
+                server = vllm_server(e.vllm_python, model_path, log, dtype=e.dtype, max_model_len=e.max_seq_len,
+                                     api_key=e.api_key, seed=cfg.run.seed + i)
+            servers.append(server.start())
+        for server in servers:  # they load their models in parallel
+            server.wait_ready(e.launch_timeout)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def make_engines(cfg: Config, model_path: str, eos: list[int], run_dir: Path,
+                 launched: list[str]) -> list[LocalEngine | RemoteEngine]:
+    """LocalEngines in this process, or one RemoteEngine per server address (checked healthy up front)."""
+    e = cfg.engine
+    if e.kind == "local":
+        kw = dict(eos_token_ids=eos, max_batch_size=e.max_batch_size, max_seq_len=e.max_seq_len,
+                  max_tokens_in_flight=e.max_tokens_in_flight, prefix_cache_size=e.prefix_cache_size,
+                  kv_on_update=e.kv_on_update)
+        return [LocalEngine(load_model(model_path, dtype=e.dtype), seed=cfg.run.seed + i, **kw)
+                for i in range(e.num_engines)]
+    weights_dir = e.weights_dir or str(run_dir / "weights")
+    engines = [RemoteEngine(a, backend=e.backend, api_key=e.api_key, timeout=e.request_timeout, retries=e.retries,
+                            weights_dir=weights_dir) for a in (e.addresses or launched)]
+    try:
+        for engine in engines:
+            engine.wait_ready(timeout=30.0)
+            engine.refresh_version()
+    except BaseException:
+        for engine in engines:
+            engine.close()
+        raise
+    return engines
 
 
 def make_scheduler(cfg: Config, rollout_ctl: RolloutController) -> SyncScheduler | AsyncScheduler:
@@ -162,6 +293,9 @@ def make_scheduler(cfg: Config, rollout_ctl: RolloutController) -> SyncScheduler
 
 def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainController:
     t = cfg.train
+    if t.engine == "fsdp":
+        raise NotImplementedError("train.engine=fsdp: `relayrl train` does not launch FSDP workers yet; use "
+                                  "relayrl.trainer.fsdp.FSDPEngine under torchrun (see that module's docstring)")
     engine_kw = dict(temperature=cfg.sampling.temperature, autocast_bf16=cfg.model.autocast_bf16)
     train_engine = TrainEngine.from_pretrained(
         model_path, dtype=cfg.model.train_dtype, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay,

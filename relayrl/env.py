@@ -65,7 +65,9 @@ class Env:
         return self.scheduler.get_batch(data_mgr, version, timeout)
 
     def notify_version(self) -> None:
-        self.scheduler.notify()
+        """Tell an async producer that the policy version moved (its admission bound grew)."""
+        if isinstance(self.scheduler, AsyncScheduler):
+            self.scheduler.notify()
 
     def stop_producer(self, timeout: float = 30.0) -> None:
         """Cancel the producer and every trajectory it runs; their engine requests are dropped."""
@@ -78,8 +80,18 @@ class Env:
             waiter.result(timeout=timeout)
 
     def close(self) -> None:
+        """Stop the producer, then cancel and await every task left on the loop before stopping it: a task
+        destroyed while pending would run its cleanup (`finally: await ...`) with no loop at garbage collection."""
         self.stop_producer()
         if self.loop.is_running():
+            async def cancel_all() -> None:
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout=10)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
         if not self.loop.is_running():

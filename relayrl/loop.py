@@ -32,7 +32,7 @@ def train_colocated(c: Components) -> dict[str, float]:
             c.trajectories.log(batch, step)
         metrics |= rollout_metrics(batch)
         metrics |= c.train_ctl.fit(batch)
-        c.train_ctl.sync_weights(c.rollout_ctl)
+        metrics["time/weight_sync_s"] = c.relay_weights()
         metrics |= _perf(c, metrics, time.perf_counter() - t0)
         _log(c, step, metrics, bar, batch)
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.run.steps:
@@ -50,29 +50,29 @@ def _finish(c: Components, last_eval: dict[str, float]) -> dict[str, float]:
 
 def train_async(c: Components) -> dict[str, float]:
     """Asynchronous RL: rollouts never wait for training; every trained token is at most
-    scheduler.max_staleness policy versions old."""
+    scheduler.max_staleness policy versions old. The rollouts run in this process or, with
+    scheduler.placement=separate, in a producer process: the loop is the same."""
     cfg = c.cfg
     last_eval = _evaluate(c, 0) if cfg.eval.at_start else {}
-    c.env.start_producer(c.data)
+    c.start_producer()
     try:
         bar = tqdm(range(1, cfg.run.steps + 1), desc="train", unit="step", dynamic_ncols=True,
                    disable=not sys.stderr.isatty())
         for step in bar:
             t0 = time.perf_counter()
-            batch, metrics = c.env.get_batch(c.data, c.train_ctl.version)
+            batch, metrics = c.get_batch(c.train_ctl.version)
             if c.trajectories is not None:
                 c.trajectories.log(batch, step)
             metrics |= rollout_metrics(batch) | staleness_metrics(batch, c.train_ctl.version)
             metrics |= c.train_ctl.fit(batch)
-            c.train_ctl.sync_weights(c.rollout_ctl)
-            c.env.notify_version()
+            metrics["time/weight_sync_s"] = c.relay_weights()
             metrics["time/rollout_s"] = metrics["time/wait_for_batch_s"]
             metrics |= _perf(c, metrics, time.perf_counter() - t0)
             _log(c, step, metrics, bar, batch)
             if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.run.steps:
                 last_eval = _evaluate(c, step)
     finally:
-        c.env.stop_producer()
+        c.stop_producer()
     return _finish(c, last_eval)
 
 
@@ -85,7 +85,7 @@ def staleness_metrics(batch: list[Sample], version: int) -> dict[str, float]:
 
 def train(cfg: Config) -> dict[str, float]:
     """Build a run from its config, train, and release every process and thread it started."""
-    c = build(cfg)
+    c = build(cfg, role="trainer" if cfg.scheduler.placement == "separate" else "colocated")
     print(f"run folder: {c.run_dir}")
     try:
         return train_async(c) if cfg.scheduler.mode == "async" else train_colocated(c)
@@ -95,7 +95,7 @@ def train(cfg: Config) -> dict[str, float]:
 
 def evaluate(cfg: Config) -> dict[str, float]:
     """Evaluate cfg.model.path (a base model or a run's saved model) on the eval set, with the run's agent."""
-    c = build(cfg, train=False)
+    c = build(cfg, role="eval")
     print(f"eval folder: {c.run_dir}")
     try:
         return _evaluate(c, 0)
@@ -104,9 +104,7 @@ def evaluate(cfg: Config) -> dict[str, float]:
 
 
 def _perf(c: Components, m: dict[str, float], step_s: float) -> dict[str, float]:
-    sync = c.rollout_ctl.stats
     return {"time/step_s": step_s,
-            "time/weight_sync_s": sync["weight_update_s"] / max(1, sync["weight_updates"]),
             "perf/rollout_tokens_per_s": m.get("rollout/generated_tokens", 0.0) / max(1e-9, m["time/rollout_s"]),
             "perf/samples_per_s": m.get("rollout/samples", 0.0) / step_s,
             "version": float(c.train_ctl.version)}

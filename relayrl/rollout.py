@@ -13,13 +13,15 @@ in-flight generation on a weight update, so no sequence mixes policies.
 from __future__ import annotations
 
 import time
-import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 import torch
 
 from relayrl.engine.base import GenOutput, InferenceEngine, SamplingParams
+
+_STICKY_MAX = 100_000  # trajectories remembered; the oldest are forgotten first
 
 
 class RolloutController:
@@ -30,6 +32,8 @@ class RolloutController:
             raise ValueError(f"partial_rollout must be 'continue' or 'requeue', got {partial_rollout!r}")
         self.engines, self.partial_rollout = engines, partial_rollout
         self._next = 0
+        self._in_flight = [0] * len(engines)
+        self._sticky: OrderedDict[str, int] = OrderedDict()  # rid -> engine index, least recently used first
         self._closing = False
         self.stats = {"requests": 0, "weight_updates": 0, "weight_update_s": 0.0, "resubmits": 0}
 
@@ -38,12 +42,23 @@ class RolloutController:
         return min(e.version for e in self.engines)
 
     def _route(self, rid: str | None) -> InferenceEngine:
+        """Sticky per trajectory: a new rid goes to the engine with the fewest requests in flight (round-robin
+        among ties) and stays there, so later turns find their KV cache. (A hash of the rid spreads badly:
+        crc32 of "traj-0".."traj-3" lands all four on one of two engines.)"""
         if len(self.engines) == 1:
             return self.engines[0]
-        if rid is not None:  # sticky: same trajectory, same engine
-            return self.engines[zlib.crc32(rid.encode()) % len(self.engines)]
-        self._next = (self._next + 1) % len(self.engines)
-        return self.engines[self._next]
+        if rid is not None and rid in self._sticky:
+            self._sticky.move_to_end(rid)
+            return self.engines[self._sticky[rid]]
+        n = len(self.engines)
+        order = [(self._next + k) % n for k in range(n)]
+        i = min(order, key=lambda j: self._in_flight[j])
+        self._next = (i + 1) % n
+        if rid is not None:
+            self._sticky[rid] = i
+            if len(self._sticky) > _STICKY_MAX:
+                self._sticky.popitem(last=False)
+        return self.engines[i]
 
     async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> GenOutput:
         """Generate, resubmitting interrupted generations (see the module docstring)."""
@@ -51,10 +66,15 @@ class RolloutController:
         got = GenOutput([], [], [], "abort", len(input_ids))
         while True:
             left = params.max_new_tokens - len(got.output_ids)
-            out = await self._route(rid).agenerate(input_ids + got.output_ids,
-                                                   replace(params, max_new_tokens=left), rid)
+            engine = self._route(rid)
+            i = self.engines.index(engine)
+            self._in_flight[i] += 1
+            try:
+                out = await engine.agenerate(input_ids + got.output_ids, replace(params, max_new_tokens=left), rid)
+            finally:
+                self._in_flight[i] -= 1
             got = GenOutput(got.output_ids + out.output_ids, got.logprobs + out.logprobs,
-                            got.versions + out.versions, out.finish_reason, len(input_ids))
+                            got.versions + out.versions, out.finish_reason, len(input_ids), out.meta)
             if out.finish_reason != "abort" or self._closing or len(got.output_ids) >= params.max_new_tokens:
                 return got
             self.stats["resubmits"] += 1

@@ -85,3 +85,10 @@ class LongTailAgent(SingleTurnAgent):
 def failing_prompt_fn_rows(n: int = 20):
     """Rows where the 7th question makes the data pipeline itself fail (not an agent)."""
     return [{"question": "BOOM" if i == 6 else f"{i}+1?", "answer": str(i + 1)} for i in range(n)]
+
+
+class BrokenInitAgent(SingleTurnAgent):
+    """Fails when constructed: in separate placement that happens inside the producer process."""
+
+    def __init__(self, *args, **kwargs):
+        raise ValueError("broken agent: bad kwargs")

@@ -5,7 +5,16 @@ import math
 import pytest
 import torch
 
-from relayrl.trainer.algo import LossInputs, compute_advantages, kl_estimate, policy_loss, token_weights
+from relayrl.trainer.algo import (
+    LossInputs,
+    compute_advantages,
+    kl_estimate,
+    overlong_penalty,
+    policy_loss,
+    shape_rewards,
+    token_weights,
+    whiten,
+)
 
 GROUPS = ["a"] * 4 + ["b"] * 4
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0])
@@ -93,7 +102,7 @@ def test_clipped_loss_by_hand():
     expected = [-math.exp(0.1), -1.28, 0.8, math.exp(0.5)]
     logp = torch.tensor(LOGP, requires_grad=True)
     loss, stats = _loss(logp)
-    assert float(loss) == pytest.approx(sum(expected) / 4, abs=1e-6)
+    assert float(loss.detach()) == pytest.approx(sum(expected) / 4, abs=1e-6)
     assert stats["clip_frac"] == pytest.approx(0.5)
     loss.backward()
     # d/dlogp of -r*A/4 is -r*A/4 for unclipped tokens, 0 for clipped ones
@@ -134,3 +143,44 @@ def test_on_policy_ratio_is_one_and_gradient_is_reinforce():
     assert float(loss) == pytest.approx(-(2.0 - 1.0) / 2)
     close(logp.grad, [-1.0, 0.5])  # -A * w
     assert stats["clip_frac"] == 0.0
+
+
+def test_k1_and_k3_are_unbiased_and_k3_is_nonnegative():
+    # samples of p; KL(p || q) = sum p log(p / q) exactly, against the estimators' sample means
+    p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.3, 0.5])
+    exact = float((p * (p / q).log()).sum())
+    draws = torch.multinomial(p, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    logp, ref = p.log()[draws], q.log()[draws]
+    assert float(kl_estimate(logp, ref, "k1").mean()) == pytest.approx(exact, abs=0.01)
+    assert float(kl_estimate(logp, ref, "k3").mean()) == pytest.approx(exact, abs=0.01)
+    assert float(kl_estimate(logp, ref, "k3").min()) >= 0.0
+
+
+def test_overlong_penalty_by_hand():
+    # max 10, buffer 4: no penalty up to 6 tokens, then -(L - 6) / 4, -1 at 10 (times the factor 0.5)
+    got = overlong_penalty(torch.tensor([3, 6, 7, 8, 10, 12]), 10, 4, factor=0.5)
+    close(got, [0.0, 0.0, -0.125, -0.25, -0.5, -0.5])
+    close(overlong_penalty(torch.tensor([10]), 10, 0), [0.0])  # buffer 0: off
+
+
+def test_shape_rewards_and_whiten_by_hand():
+    close(shape_rewards(torch.tensor([1.0, 0.0, -3.0]), scale=2.0, bias=0.5, clip=2.0), [2.0, 0.5, -2.0])
+    x = torch.tensor([1.0, 2.0, 3.0, 6.0])  # mean 3, unbiased std sqrt((4 + 1 + 0 + 9) / 3)
+    std = math.sqrt(14 / 3)
+    close(whiten(x, mean=True, std=True, eps=0.0), [(v - 3) / std for v in [1, 2, 3, 6]])
+    close(whiten(x, mean=False, std=True, eps=0.0), [v / std for v in [1, 2, 3, 6]])
+    close(whiten(x, mean=True, std=False), [-2.0, -1.0, 0.0, 3.0])
+
+
+def test_sequence_ratio_is_the_geometric_mean_and_clips_whole_sequences():
+    # two sequences: log-ratios [.1, .3] (mean .2) and [-.1] ; A = +1 and -1; clip .1 / .1
+    logp = torch.tensor([0.1, 0.3, -0.1], requires_grad=True)
+    inp = LossInputs(old_logp=torch.zeros(3), advantages=torch.tensor([1.0, 1.0, -1.0]),
+                     weights=torch.tensor([0.25, 0.25, 0.5]), stat_weight=1 / 3, seq_lengths=[2, 1])
+    loss, stats = policy_loss(logp, None, inp, clip_low=0.1, clip_high=0.1, ratio_level="sequence")
+    # seq 1: s = e^.2 = 1.22 > 1.1 with A > 0 -> clipped, -1.1 per token; seq 2: s = e^-.1 = .905 >= .9,
+    # A < 0 -> unclipped, +.905; weights: seq means then mean over the 2 sequences
+    assert float(loss.detach()) == pytest.approx(0.5 * (-1.1) + 0.5 * math.exp(-0.1), abs=1e-6)
+    assert stats["clip_frac"] == pytest.approx(2 / 3)
+    loss.backward()
+    close(logp.grad, [0.0, 0.0, 0.5 * math.exp(-0.1)])  # d(w * -s * A)/dlogp_t = -w * s * A

@@ -192,13 +192,14 @@ def test_a_producer_failure_stops_the_run_with_the_real_error(tiny_path, tmp_pat
     assert not c.env._thread.is_alive() and c.judge.pool.worker_pids() == []
 
 
-def test_ctrl_c_stops_everything_quickly(tiny_path, data, tmp_path):
+@pytest.mark.parametrize("placement", ["colocated", "separate"])
+def test_ctrl_c_stops_everything_quickly(tiny_path, data, tmp_path, placement):
     marker = f"relayrl-test-{os.getpid()}-{time.time_ns()}"
     args = [f"{k}={v}" for k, v in {
         "model.path": tiny_path, "engine.dtype": "float32", "data.train.source": data, "data.batch_size": 2,
         "data.group_size": 2, "sampling.max_new_tokens": 200, "run.steps": 10_000, "run.output_dir": str(tmp_path),
         "judge.reward_fn": "agents_for_tests:parity_reward", "scheduler.mode": "async", "eval.at_start": False,
-        "agent.kind": "tool"}.items()]
+        "agent.kind": "tool", "scheduler.placement": placement}.items()]
     env = {**os.environ, "PYTHONPATH": TESTS, "RELAYRL_TEST_MARKER": marker}
     proc = subprocess.Popen([sys.executable, "-m", "relayrl.cli", "train", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

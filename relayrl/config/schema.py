@@ -12,17 +12,61 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from relayrl.config.loader import check, load_config
+from relayrl.config.loader import check, fill_missing, load_config
 
-PRESETS: dict[str, dict[str, Any]] = {
+
+def _get_int(data: dict[str, Any], section: str, key: str, default: int) -> int | None:
+    """data[section][key] if it is an int (a bad value is reported at its own key, not at a derived one)."""
+    part = data.get(section)
+    value = part.get(key, default) if isinstance(part, dict) else default
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _dapo_overlong_buffer(data: dict[str, Any]) -> int:
+    """DAPO punishes the last 4096 of 20480 tokens: a fifth of sampling.max_new_tokens."""
+    max_new = _get_int(data, "sampling", "max_new_tokens", SamplingConfig.max_new_tokens)
+    return max_new // 5 if max_new else 0
+
+
+# Each preset is a partial config (section -> knobs); a value may be a function of the merged config data,
+# evaluated at expansion. docs/algorithms.md explains every knob and cites the papers.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # group-normalised advantages, token-level mean loss (as AReaL/DAPO aggregate)
-    "grpo": {"adv_mean": "group", "adv_std": "group", "adv_leave_one_out": False, "loss_agg": "token_mean"},
+    "grpo": {"algo": {"adv_mean": "group", "adv_std": "group", "adv_leave_one_out": False,
+                      "loss_agg": "token_mean"}},
     # Dr.GRPO: no std normalisation, token sums normalised by a constant length
-    "dr_grpo": {"adv_mean": "group", "adv_std": "none", "adv_leave_one_out": False,
-                "loss_agg": "seq_mean_token_sum_norm"},
+    "dr_grpo": {"algo": {"adv_mean": "group", "adv_std": "none", "adv_leave_one_out": False,
+                         "loss_agg": "seq_mean_token_sum_norm"}},
     # RLOO: leave-one-out group baseline, no std normalisation
-    "rloo": {"adv_mean": "group", "adv_std": "none", "adv_leave_one_out": True, "loss_agg": "token_mean"},
+    "rloo": {"algo": {"adv_mean": "group", "adv_std": "none", "adv_leave_one_out": True,
+                      "loss_agg": "token_mean"}},
+    # REINFORCE++: k1 KL to the reference in the per-token reward, return whitened over the batch's tokens
+    "reinforce_pp": {"algo": {"adv_estimator": "return", "adv_mean": "batch", "adv_std": "batch",
+                              "adv_leave_one_out": False, "loss_agg": "token_mean", "kl_mode": "reward",
+                              "kl_estimator": "k1", "kl_coef": 0.001}},
+    # REINFORCE++-baseline: group-mean baseline, then divide by the batch's token std
+    "reinforce_pp_baseline": {"algo": {"adv_estimator": "return", "adv_mean": "group", "adv_std": "batch",
+                                       "adv_leave_one_out": False, "loss_agg": "token_mean", "kl_mode": "reward",
+                                       "kl_estimator": "k1", "kl_coef": 0.001}},
+    # GSPO: sequence-level ratio (geometric mean over tokens), tiny sequence clip, sequence-mean loss;
+    # two minibatches per batch so the second update is off-policy and the clip matters
+    "gspo": {"algo": {"adv_mean": "group", "adv_std": "group", "adv_leave_one_out": False,
+                      "ratio_level": "sequence", "clip_low": 3e-4, "clip_high": 4e-4,
+                      "loss_agg": "seq_mean_token_mean"},
+             "train": {"minibatches": 2}},
+    # DAPO: clip-higher, token-level loss, soft overlong punishment, dynamic sampling (mixed groups only)
+    "dapo": {"algo": {"adv_mean": "group", "adv_std": "group", "adv_leave_one_out": False, "clip_low": 0.2,
+                      "clip_high": 0.28, "loss_agg": "token_mean", "overlong_buffer": _dapo_overlong_buffer,
+                      "overlong_penalty": 1.0},
+             "scheduler": {"group_filter": "mixed"}},
+    # PPO: critic + GAE, advantages whitened over the batch's tokens, KL (if kl_coef > 0) in the reward
+    "ppo": {"algo": {"adv_estimator": "gae", "gamma": 1.0, "lam": 0.95, "adv_mean": "batch", "adv_std": "batch",
+                     "adv_leave_one_out": False, "loss_agg": "token_mean", "clip_low": 0.2, "clip_high": 0.2,
+                     "kl_mode": "reward", "kl_estimator": "k1", "value_clip": 0.2},
+            "train": {"minibatches": 2}},
 }
+PresetName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "dapo", "ppo",
+                     "custom"]
 
 
 @dataclass
@@ -45,7 +89,7 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
-    kind: Literal["local"] = "local"
+    kind: Literal["local", "remote"] = "local"  # remote: inference servers over HTTP (RemoteEngine)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     max_batch_size: int = 64  # sequences decoded together
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
@@ -53,10 +97,35 @@ class EngineConfig:
     max_tokens_in_flight: int | None = None  # admit requests while sum(prompt + max_new_tokens) fits
     prefix_cache_size: int = 64  # finished trajectories whose KV is kept for their next turn
     kv_on_update: Literal["recompute", "keep"] = "recompute"  # KV of running sequences after a weight update
+    # remote engines: servers at `addresses`, or num_engines servers started by the run (`launch`)
+    backend: Literal["sglang", "vllm"] = "sglang"  # sglang: SGLang's native API (also `relayrl serve`)
+    addresses: list[str] = field(default_factory=list)  # e.g. ["http://10.0.0.5:30000"]
+    launch: Literal["none", "relayrl", "vllm"] = "none"  # start the servers as subprocesses, stop them at exit
+    vllm_python: str = ".venv-vllm/bin/python"  # launch=vllm: the interpreter of vLLM's own virtualenv
+    api_key: str | None = None
+    weights_dir: str | None = None  # where new weights are written for the servers (default RUN_DIR/weights)
+    request_timeout: float = 600.0  # seconds per generation request
+    retries: int = 3  # per request, with exponential backoff, before EngineUnavailable
+    launch_timeout: float = 300.0  # seconds a launched server may take to become healthy
 
     def validate(self) -> None:
         check(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")
         check(self.num_engines >= 1, "num_engines", "must be >= 1")
+        check(self.retries >= 0, "retries", "must be >= 0")
+        check(self.request_timeout > 0, "request_timeout", "must be > 0")
+        if self.kind == "remote":
+            from relayrl.engine.remote import check_address
+
+            check(bool(self.addresses) != (self.launch != "none"), "addresses",
+                  "engine.kind=remote needs either addresses (running servers) or launch=relayrl|vllm, not both")
+            check(self.launch != "relayrl" or self.backend == "sglang", "backend",
+                  "launch=relayrl serves the sglang-native API: set backend=sglang")
+            check(self.launch != "vllm" or self.backend == "vllm", "backend", "launch=vllm needs backend=vllm")
+            for a in self.addresses:
+                try:
+                    check_address(a)
+                except ValueError as e:
+                    check(False, "addresses", str(e))
         check(self.max_tokens_in_flight is None or self.max_tokens_in_flight >= 1, "max_tokens_in_flight",
               "must be >= 1")
 
@@ -139,26 +208,48 @@ class SchedulerConfig:
     group_filter: str = "none"  # none | mixed (drop groups whose rewards are all equal) | package.module:fn
     max_attempts_factor: float = 4.0  # groups tried per batch group when a filter drops groups
     partial_rollout: Literal["continue", "requeue"] = "continue"  # sequences in flight at a weight update
+    placement: Literal["colocated", "separate"] = "colocated"  # separate: rollouts in their own process (async)
+    transport: Literal["disk", "dist"] = "disk"  # separate: how weights reach it (safetensors | torch.distributed)
+    producer_threads: int = 1  # separate: torch threads of the producer process
 
     def validate(self) -> None:
         check(self.max_staleness >= 0, "max_staleness", "must be >= 0")
         check(self.max_concurrency >= 1, "max_concurrency", "must be >= 1")
         check(self.over_sample >= 0, "over_sample", "must be >= 0")
         check(self.max_attempts_factor >= 1, "max_attempts_factor", "must be >= 1")
+        check(self.placement == "colocated" or self.mode == "async", "placement",
+              "separate placement needs scheduler.mode=async (a producer that runs beside the trainer)")
 
 
 @dataclass
 class AlgoConfig:
-    preset: Literal["grpo", "dr_grpo", "rloo", "custom"] = "grpo"
-    adv_mean: Literal["group", "batch", "none"] = "group"
+    preset: PresetName = "grpo"  # custom: no preset, every knob as written
+    # advantages: scalar reward -> (group baseline/scale) -> per-token return or GAE -> (batch whitening)
+    adv_estimator: Literal["return", "gae"] = "return"  # gae: PPO with a critic (value model)
+    adv_mean: Literal["group", "batch", "none"] = "group"  # group: per sample; batch: over the batch's tokens
     adv_std: Literal["group", "batch", "none"] = "group"
     adv_leave_one_out: bool = False
+    gamma: float = 1.0  # GAE discount over response tokens
+    lam: float = 0.95  # GAE lambda
+    # reward shaping, in this order: + overlong penalty, * reward_scale, + reward_bias, clip to +-reward_clip
+    reward_scale: float = 1.0
+    reward_bias: float = 0.0
+    reward_clip: float | None = None
+    overlong_buffer: int = 0  # DAPO: linear penalty over the last N tokens before max_new_tokens (0: off)
+    overlong_penalty: float = 1.0  # the penalty at max_new_tokens
+    # policy loss
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's geometric-mean sequence ratio
     clip_low: float = 0.2
     clip_high: float = 0.2
-    kl_coef: float = 0.0  # > 0 loads a frozen reference model and adds KL to the loss
+    kl_coef: float = 0.0  # > 0 loads a frozen reference model
+    kl_mode: Literal["loss", "reward"] = "loss"  # KL to the reference as a loss term, or per token in the reward
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0
+    # critic (adv_estimator: gae)
+    critic_path: str | None = None  # default: the policy's model
+    critic_lr: float = 1e-5
+    value_clip: float | None = 0.2  # None: unclipped value loss
     # decoupled PPO (AReaL): clip around recomputed proximal logprobs, weight tokens by pi_prox / pi_behav
     decoupled: bool = False
     behav_weight_cap: float | None = 5.0  # None: no cap
@@ -168,6 +259,16 @@ class AlgoConfig:
     def validate(self) -> None:
         check(self.clip_low >= 0 and self.clip_high >= 0, "clip_low", "clip ranges must be >= 0")
         check(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        check(0 <= self.gamma <= 1, "gamma", "must be in [0, 1]")
+        check(0 <= self.lam <= 1, "lam", "must be in [0, 1]")
+        check(self.reward_clip is None or self.reward_clip > 0, "reward_clip", "must be > 0 (or null: no clip)")
+        check(self.overlong_buffer >= 0, "overlong_buffer", "must be >= 0 (0 turns the penalty off)")
+        check(self.critic_lr > 0, "critic_lr", "must be > 0")
+        check(self.value_clip is None or self.value_clip > 0, "value_clip", "must be > 0 (or null: no clip)")
+        if self.critic_path is not None:
+            p = Path(self.critic_path).expanduser()
+            check((p / "config.json").is_file(), "critic_path", f"{self.critic_path!r} is not a model folder "
+                                                                "(no config.json)")
 
 
 @dataclass
@@ -181,9 +282,23 @@ class TrainConfig:
     row_tokens: int = 1024  # longest shared row (attention cost grows with its square)
     epochs: int = 1  # optimizer passes over each batch
     minibatches: int = 1  # optimizer steps per pass
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # over training steps (fit calls)
+    warmup_steps: int = 0  # linear warmup from lr / warmup_steps
+    total_steps: int | None = None  # where linear/cosine reach min_lr_ratio * lr; filled from run.steps
+    min_lr_ratio: float = 0.0
+    # local: one process (TrainEngine); fsdp: FSDP2 across torchrun processes (relayrl.trainer.fsdp.FSDPEngine)
+    engine: Literal["local", "fsdp"] = "local"
+    fsdp_mixed_precision: bool = False  # fsdp: bf16 forward/backward, fp32 gradient reduction and master weights
 
     def validate(self) -> None:
         check(self.lr > 0, "lr", "must be > 0")
+        check(not self.fsdp_mixed_precision or self.engine == "fsdp", "fsdp_mixed_precision",
+              "needs train.engine=fsdp (the local engine's bf16 option is model.autocast_bf16)")
+        check(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        check(self.total_steps is None or self.total_steps >= 1, "total_steps", "must be >= 1")
+        check(self.lr_schedule == "constant" or self.total_steps is not None, "total_steps",
+              f"lr_schedule={self.lr_schedule} needs total_steps (the loader fills it from run.steps)")
+        check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
         check(self.micro_batch_tokens >= 1, "micro_batch_tokens", "must be >= 1")
         check(self.epochs >= 1, "epochs", "must be >= 1")
         check(self.minibatches >= 1, "minibatches", "must be >= 1")
@@ -232,6 +347,9 @@ class Config:
             check(self.data.group_size >= 2, "data.group_size",
                   f"must be >= 2 for group-relative advantages (algo.preset={a.preset}); "
                   "set algo.adv_mean/adv_std to batch or none for group_size 1")
+        check(a.overlong_buffer < self.sampling.max_new_tokens, "algo.overlong_buffer",
+              f"must be < sampling.max_new_tokens ({self.sampling.max_new_tokens}): the penalty ramps over the "
+              "last overlong_buffer tokens before it")
 
     @property
     def run_dir(self) -> Path:
@@ -239,12 +357,29 @@ class Config:
 
 
 def expand_presets(data: dict[str, Any]) -> dict[str, Any]:
-    """Fill algo knobs that the user did not set from the named preset."""
-    algo = data.setdefault("algo", {}) if isinstance(data.get("algo", {}), dict) else data["algo"]
-    preset = algo.get("preset", AlgoConfig.preset)
-    for key, value in PRESETS.get(preset, {}).items():
-        algo.setdefault(key, value)
-    return data
+    """Fill the knobs the user did not set from the named preset (any section), then the derived defaults.
+
+    Filling only absent keys is what lets `key=value` beat the preset; doing it before the dataclasses
+    are built is what puts the expansion into the run's saved config.yaml.
+    """
+    algo = data.get("algo")
+    preset = algo.get("preset", AlgoConfig.preset) if isinstance(algo, dict) else None
+    if isinstance(preset, str) and preset in PRESETS:  # an unknown name is reported by the algo.preset check
+        data = fill_missing(data, _evaluate(PRESETS[preset], data))
+    return fill_missing(data, _evaluate(DERIVED, data))
+
+
+def _run_steps(data: dict[str, Any]) -> int | None:
+    return _get_int(data, "run", "steps", RunConfig.steps)
+
+
+# defaults that depend on other keys: the LR schedule spans the run unless told otherwise
+DERIVED: dict[str, dict[str, Any]] = {"train": {"total_steps": _run_steps}}
+
+
+def _evaluate(partial: dict[str, dict[str, Any]], data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {section: {k: v(data) if callable(v) else v for k, v in knobs.items()}
+            for section, knobs in partial.items()}
 
 
 def load_run_config(path: str | None, overrides: list[str] = ()) -> Config:

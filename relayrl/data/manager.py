@@ -39,6 +39,10 @@ class ReplayBuffer:
     def __len__(self) -> int:
         return len(self._groups)
 
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
     def put(self, group: list[Sample]) -> None:
         with self._cond:
             self._groups.append(group)

@@ -2,5 +2,7 @@
 
 from relayrl.engine.base import GenOutput, InferenceEngine, SamplingParams
 from relayrl.engine.local import LocalEngine
+from relayrl.engine.remote import EngineUnavailable, RemoteEngine, RemoteRequestError
 
-__all__ = ["GenOutput", "InferenceEngine", "LocalEngine", "SamplingParams"]
+__all__ = ["EngineUnavailable", "GenOutput", "InferenceEngine", "LocalEngine", "RemoteEngine", "RemoteRequestError",
+           "SamplingParams"]

@@ -118,24 +118,34 @@ class AsyncScheduler:
     # ---- trainer side (the main thread) ---------------------------------------------------------
     def get_batch(self, data_mgr: DataManager, version: int, timeout: float | None = None) -> tuple[list, dict]:
         """batch_size groups no staler than max_staleness at `version` (expired ones are regenerated)."""
-        t0 = time.perf_counter()
-        kept: list[list[Sample]] = []
-        expired = 0
-        while len(kept) < self.batch_size:
-            for group in data_mgr.replay_buffer.take(self.batch_size - len(kept), timeout):
-                if staleness(group, version) <= self.max_staleness:
-                    kept.append(group)
-                    continue
-                for s in group:
-                    s.status = Status.EXPIRED
-                data_mgr.requeue(group[0].data)
-                self.manager.on_expire()
-                expired += 1
+        def expire(group: list[Sample]) -> None:
+            self.stats["expired"] += 1
+            data_mgr.requeue(group[0].data)
+            self.manager.on_expire()
             self.notify()
-        self.stats["expired"] += expired
-        batch = [s for g in kept for s in g]
-        for s in batch:
-            s.status = Status.ARCHIVED
-        return batch, {"rollout/groups_expired": float(expired), "rollout/failed_total": float(self.stats["failed"]),
-                       "rollout/groups_filtered_total": float(self.stats["filtered"]),
-                       "time/wait_for_batch_s": time.perf_counter() - t0}
+
+        batch, metrics = take_fresh(lambda n: data_mgr.replay_buffer.take(n, timeout), self.batch_size, version,
+                                    self.max_staleness, expire)
+        return batch, metrics | {"rollout/failed_total": float(self.stats["failed"]),
+                                 "rollout/groups_filtered_total": float(self.stats["filtered"])}
+
+
+def take_fresh(take, batch_size: int, version: int, max_staleness: int, expire) -> tuple[list[Sample], dict]:
+    """Take groups with `take(n)` until batch_size of them are within max_staleness of `version`;
+    each stale group is marked EXPIRED and handed to `expire` (which re-queues its prompt)."""
+    t0 = time.perf_counter()
+    kept: list[list[Sample]] = []
+    expired = 0
+    while len(kept) < batch_size:
+        for group in take(batch_size - len(kept)):
+            if staleness(group, version) <= max_staleness:
+                kept.append(group)
+                continue
+            for s in group:
+                s.status = Status.EXPIRED
+            expire(group)
+            expired += 1
+    batch = [s for g in kept for s in g]
+    for s in batch:
+        s.status = Status.ARCHIVED
+    return batch, {"rollout/groups_expired": float(expired), "time/wait_for_batch_s": time.perf_counter() - t0}

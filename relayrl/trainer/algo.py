@@ -1,9 +1,11 @@
-"""Advantages, KL estimators, token weightings and the clipped policy loss: the whole algorithm.
+"""Rewards, advantages (group/batch, returns, GAE), KL estimators, token weights, the clipped policy loss
+and the value loss: the whole algorithm.
 
-Algorithms (GRPO, Dr.GRPO, RLOO, ...) are presets over the knobs of `AlgoConfig` (relayrl.config),
-not classes. The loss is written as a per-token quantity times a per-token weight, so that summing
-weight * loss over any split of the batch into micro-batches (or processes) gives exactly the same
-objective: the weights, not the micro-batch sizes, decide the aggregation.
+Algorithms (GRPO, Dr.GRPO, RLOO, REINFORCE++, GSPO, DAPO, PPO) are presets over the knobs of
+`AlgoConfig` (relayrl.config), not classes; docs/algorithms.md maps each preset to the functions here.
+The loss is written as a per-token quantity times a per-token weight, so that summing weight * loss
+over any split of the batch into micro-batches (or processes) gives exactly the same objective: the
+weights, not the micro-batch sizes, decide the aggregation.
 """
 
 from __future__ import annotations
@@ -64,6 +66,74 @@ def compute_advantages(rewards: torch.Tensor, group_ids: list[str], *, mean: str
     return adv
 
 
+# ---- reward shaping ---------------------------------------------------------------------------
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to max_len - buffer tokens, then linear down to -factor at max_len.
+
+    A hard penalty for truncation punishes a nearly finished answer as much as a runaway one; the ramp
+    tells the policy "shorter" before it hits the limit.
+    """
+    if buffer <= 0:
+        return torch.zeros(len(lengths))
+    over = (lengths.float() - (max_len - buffer)) / buffer
+    return -factor * over.clamp(0.0, 1.0)
+
+
+def shape_rewards(r: torch.Tensor, *, scale: float = 1.0, bias: float = 0.0, clip: float | None = None) -> torch.Tensor:
+    """r * scale + bias, clipped to [-clip, clip]: keeps reward magnitudes (and so advantages) in range."""
+    r = r * scale + bias
+    return r.clamp(-clip, clip) if clip is not None else r
+
+
+# ---- token-level returns, GAE and batch whitening ----------------------------------------------
+def discounted_cumsum(xs: list[torch.Tensor], factor: float) -> list[torch.Tensor]:
+    """y_t = x_t + factor * y_{t+1} for each sequence (y after the end is 0).
+
+    Computed on one right-padded [B, T] block, so it costs T vector steps, not B * T scalar ones.
+    """
+    if not xs:
+        return []
+    padded = torch.nn.utils.rnn.pad_sequence([x.float() for x in xs], batch_first=True)  # zeros past the end
+    out = torch.zeros_like(padded)
+    running = torch.zeros(len(xs))
+    for t in range(padded.shape[1] - 1, -1, -1):
+        running = padded[:, t] + factor * running
+        out[:, t] = running
+    return [o[: len(x)] for o, x in zip(out, xs)]
+
+
+def gae(rewards: list[torch.Tensor], values: list[torch.Tensor], gamma: float,
+        lam: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Generalised advantage estimation per sequence: (advantages, returns = advantages + values).
+
+    delta_t = r_t + gamma * V_{t+1} - V_t (V after the last token is 0: the episode ends there),
+    A_t = sum_l (gamma * lam)^l * delta_{t+l}. lam trades the critic's bias (lam=0) for the Monte-Carlo
+    return's variance (lam=1).
+    """
+    deltas = [r + gamma * torch.cat([v[1:], v.new_zeros(1)]) - v for r, v in zip(rewards, values)]
+    adv = discounted_cumsum(deltas, gamma * lam)
+    return adv, [a + v for a, v in zip(adv, values)]
+
+
+def whiten(x: torch.Tensor, *, mean: bool, std: bool, eps: float = 1e-6) -> torch.Tensor:
+    """Batch-level normalisation over all trained tokens: subtract the token mean, divide by the token std.
+
+    Over tokens rather than samples, because with KL in the reward or GAE advantages differ within a
+    sample (REINFORCE++, PPO).
+    """
+    if mean:
+        x = x - x.mean()
+    if std and x.numel() > 1:
+        x = x / (x.std() + eps)
+    return x
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns): 1 is a perfect critic, 0 no better than a constant."""
+    var = float(returns.var()) if returns.numel() > 1 else 0.0
+    return float("nan") if var == 0 else 1.0 - float((returns - values).var()) / var
+
+
 # ---- KL estimators ----------------------------------------------------------------------------
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3).
@@ -117,7 +187,7 @@ def behav_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, lengths: li
     """
     log_w = prox_logp - behav_logp
     if level == "sequence":
-        log_w = torch.cat([part.mean().expand(len(part)) if len(part) else part for part in log_w.split(lengths)])
+        log_w = seq_mean(log_w, lengths)
     elif level != "token":
         raise ValueError(f"unknown behaviour-weight level {level!r}")
     w = torch.exp(log_w)
@@ -142,21 +212,37 @@ class LossInputs:
     stat_weight: float  # 1 / trained tokens in the whole batch: diagnostics are plain token means
     ref_logp: torch.Tensor | None = None
     behav_weight: torch.Tensor | None = None  # decoupled PPO: pi_prox / pi_behav per token (capped)
+    seq_lengths: list[int] | None = None  # trained tokens per sequence, in order (ratio_level="sequence")
+
+
+def seq_mean(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Each sequence's mean, repeated over its tokens."""
+    return torch.cat([part.mean().expand(len(part)) if len(part) else part for part in x.split(lengths)])
 
 
 def policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inp: LossInputs, *, clip_low: float,
-                clip_high: float, kl_coef: float = 0.0, kl_estimator: str = "k3",
-                entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+                clip_high: float, kl_coef: float = 0.0, kl_estimator: str = "k3", entropy_coef: float = 0.0,
+                ratio_level: str = "token") -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with separate low/high clip, plus optional KL-to-reference and entropy terms.
 
     Per token: l = -w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) + kl_coef * KL - ent_coef * H,
     r = exp(logp - old_logp), w the decoupled-PPO behaviour weight (1 if not decoupled; then old_logp
     is the proximal policy). Returns (sum(weights * l), diagnostics); diagnostics are this
     micro-batch's share of batch-wide token means, so the caller just adds them up.
+
+    ratio_level "sequence" is GSPO (in its GSPO-token form): every token's ratio has the value of its
+    sequence's geometric-mean ratio s = exp(mean_t(logp - old_logp)) and the gradient s * grad(logp_t),
+    so a whole sequence is clipped or not, and with seq_mean_token_mean weights the gradient is GSPO's.
     """
     w, sw, adv = inp.weights, inp.stat_weight, inp.advantages
     old = logp.detach() if inp.old_logp is None else inp.old_logp
     log_ratio = logp - old
+    if ratio_level == "sequence":
+        if inp.seq_lengths is None:
+            raise ValueError("ratio_level='sequence' needs LossInputs.seq_lengths")
+        log_ratio = seq_mean(log_ratio.detach(), inp.seq_lengths) + logp - logp.detach()
+    elif ratio_level != "token":
+        raise ValueError(f"unknown ratio level {ratio_level!r} (expected token or sequence)")
     ratio = torch.exp(log_ratio)
     surr1 = ratio * adv
     surr2 = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
@@ -168,6 +254,8 @@ def policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inp: LossInput
         "pg_loss": float((w * per_token.detach()).sum()),
         "clip_frac": float(clipped.sum()) * sw,
         "approx_kl_old": float(kl_estimate(old, logp.detach(), "k3").sum()) * sw,
+        "ratio_mean": float(ratio.detach().sum()) * sw,
+        "ratio_max": float(ratio.detach().max()) if ratio.numel() else 0.0,
     }
     if inp.ref_logp is not None:
         kl = kl_estimate(logp, inp.ref_logp, kl_estimator)
@@ -181,6 +269,28 @@ def policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inp: LossInput
     loss = (w * per_token).sum()
     stats["loss"] = float(loss.detach())
     return loss, stats
+
+
+# ---- value loss (PPO critic) --------------------------------------------------------------------
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *, weight: float,
+               clip: float | None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss: 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2) per token.
+
+    The clip keeps one update from moving the critic far from the values the advantages were computed
+    with (as the policy clip does for the ratio). weight: 1 / trained tokens of the batch (a token mean
+    that stays exact across micro-batches).
+    """
+    err = (values - returns) ** 2
+    if clip is not None:
+        clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+        err_clipped = (clipped_values - returns) ** 2
+        per_token = 0.5 * torch.maximum(err, err_clipped)
+        clip_frac = float((err_clipped > err).float().sum()) * weight
+    else:
+        per_token, clip_frac = 0.5 * err, 0.0
+    loss = weight * per_token.sum()
+    return loss, {"value_loss": float(loss.detach()), "value_clip_frac": clip_frac,
+                  "value_mean": float(values.detach().sum()) * weight}
 
 
 def reduce_stats(parts: list[dict[str, float]], *, mean: bool) -> dict[str, float]:

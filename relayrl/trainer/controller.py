@@ -2,6 +2,8 @@
 
 Each step of `fit` is also public (seed 002's low-level API), so a custom loop can reorder or
 replace any of them. State between the steps lives in a `TrainBatch` (relayrl.trainer.packer).
+The controller owns what the algorithm needs beyond the policy engine: the PPO critic (built here when
+`algo.adv_estimator == "gae"`, so callers need not know about it) and the learning-rate schedule.
 """
 
 from __future__ import annotations
@@ -16,23 +18,38 @@ from relayrl.trainer.algo import (
     LossInputs,
     behav_weights,
     compute_advantages,
+    discounted_cumsum,
+    explained_variance,
+    gae,
+    kl_estimate,
+    overlong_penalty,
     policy_loss,
     reduce_stats,
+    shape_rewards,
     token_weights,
+    value_loss,
+    whiten,
 )
 from relayrl.trainer.engine import TrainEngine
 from relayrl.trainer.packer import MicroBatch, Packer, TrainBatch
+from relayrl.trainer.schedule import LRSchedule
+from relayrl.trainer.value import Critic
 
 
 class TrainController:
     def __init__(self, engine: TrainEngine, algo: AlgoConfig, train: TrainConfig, *, pad_id: int,
-                 max_new_tokens: int, ref_engine: TrainEngine | None = None):
+                 max_new_tokens: int, ref_engine: TrainEngine | None = None, critic: Critic | None = None):
         self.engine, self.ref_engine = engine, ref_engine
         self.algo, self.train_cfg = algo, train
         self.packer = Packer(train.micro_batch_tokens, pad_id, train.share_prompt, train.row_tokens)
         self.max_new_tokens = max_new_tokens
         self.version = 0
-        self._behav_stats: dict[str, float] = {}
+        self.critic = critic
+        if critic is None and algo.adv_estimator == "gae":  # PPO: the controller owns its value model
+            self.critic = self._build_critic()
+        self.schedule = LRSchedule(train.lr_schedule, warmup=train.warmup_steps, total=train.total_steps,
+                                   min_ratio=train.min_lr_ratio)
+        self._step_stats: dict[str, float] = {}  # advantage-side metrics of the batch being fitted
 
     # ---- high-level API ---------------------------------------------------------------------
     def fit(self, samples: list[Sample]) -> dict[str, float]:
@@ -53,8 +70,10 @@ class TrainController:
     # ---- low-level API ----------------------------------------------------------------------
     def needs_old_logprobs(self) -> bool:
         """One plain update per batch is on-policy: old logprobs equal the detached new ones, skip the pass.
-        Decoupled PPO always recomputes them: they are the proximal policy."""
-        return self.algo.decoupled or self.train_cfg.epochs > 1 or self.train_cfg.minibatches > 1
+        Decoupled PPO always recomputes them: they are the proximal policy. KL in the reward needs them too:
+        it is KL(pi_old || pi_ref) measured by the trainer, not by an engine with other numerics."""
+        return (self.algo.decoupled or self.train_cfg.epochs > 1 or self.train_cfg.minibatches > 1
+                or self._kl_in_reward())
 
     def compute_old_logprobs(self, batch: TrainBatch) -> TrainBatch:
         if self.needs_old_logprobs():
@@ -67,51 +86,63 @@ class TrainController:
         return batch
 
     def compute_values(self, batch: TrainBatch) -> TrainBatch:
-        return batch  # critic-free algorithms; PPO with a value model plugs in here
+        """Critic values V(s_t) per trained token, on the policy's micro-batches (PPO only)."""
+        if self.critic is not None:
+            for mb in batch.micro_batches:
+                batch.scatter("values", mb, self.critic.forward_values(mb))
+        return batch
 
     def compute_advantages(self, batch: TrainBatch) -> TrainBatch:
-        """Group-relative advantages of sample rewards, or of turn returns when an agent set `Turn.reward`.
+        """Per-token advantages: shaped scalar rewards -> group baseline/scale -> per-token return or GAE
+        (minus the KL to the reference when it is in the reward) -> batch whitening over tokens.
 
-        With per-turn returns, every (sample, turn) of a group is one entry of the group statistics, and
-        each turn's tokens get that turn's advantage; a one-turn sample reduces to plain GRPO.
+        Scalar rewards are sample rewards, or turn returns when an agent set `Turn.reward` (then every
+        (sample, turn) is one entry of the group statistics and each turn's tokens get that turn's value;
+        a one-turn sample reduces to plain GRPO). GAE uses sample rewards only, on the last trained token.
         """
         a = self.algo
-        entries = []  # (sample index, turn index or None, reward)
-        for i, s in enumerate(batch.samples):
-            if s.turns and all(t.reward is not None for t in s.turns):
-                entries += [(i, j, float(t.reward)) for j, t in enumerate(s.turns)]
-            else:
-                entries.append((i, None, float(s.reward or 0.0)))
-        adv = compute_advantages(torch.tensor([e[2] for e in entries]),
-                                 [batch.samples[e[0]].group_id for e in entries], mean=a.adv_mean, std=a.adv_std,
-                                 leave_one_out=a.adv_leave_one_out)
-        per_sample: list[dict] = [{} for _ in batch.samples]
-        for (i, j, _), v in zip(entries, adv.tolist()):
-            per_sample[i][j] = v
-        batch.per_token["advantages"] = [_token_values(s, v) for s, v in zip(batch.samples, per_sample)]
+        self._step_stats = {}
         batch.per_token["behav_logp"] = [torch.tensor([lp for lp, m in zip(s.logprobs, s.loss_mask) if m])
                                          for s in batch.samples]
+        outcome = self._outcome(batch, per_turn=a.adv_estimator == "return")
+        kl = self._reward_kl(batch)
+        if a.adv_estimator == "gae":
+            adv = self._gae(batch, outcome, kl)
+        elif kl is not None:  # REINFORCE++: the return of token t also carries the KL penalty still to come
+            adv = [o - a.kl_coef * k for o, k in zip(outcome, discounted_cumsum(kl, 1.0))]
+        else:
+            adv = outcome
+        flat = whiten(torch.cat(adv), mean=a.adv_mean == "batch", std=a.adv_std == "batch")
+        batch.per_token["advantages"] = list(flat.split(batch.lengths))
         if a.decoupled:
             w, capped = behav_weights(batch.flat("old_logp"), batch.flat("behav_logp"), batch.lengths,
                                       cap=a.behav_weight_cap, mode=a.behav_weight_mode, level=a.behav_weight_level)
             batch.per_token["behav_weight"] = list(w.split(batch.lengths))
-            self._behav_stats = {"train/behav_weight_mean": float(w.mean()), "train/behav_weight_max": float(w.max()),
+            self._step_stats |= {"train/behav_weight_mean": float(w.mean()), "train/behav_weight_max": float(w.max()),
                                  "train/behav_capped_frac": float(capped.float().mean())}
         return batch
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         cfg = self.train_cfg
+        lrs = self.schedule.apply(self._optimizers())
         n = len(batch.samples)
         order = list(range(n))
         per_update = []
         for _ in range(cfg.epochs):
             for part in _split(order, cfg.minibatches):
                 sub = self._sub_batch(batch, part)
-                per_update.append(self.engine.train_step(sub.micro_batches, self._loss_fn(sub),
-                                                         entropy_grad=self.algo.entropy_coef != 0))
+                stats = self.engine.train_step(sub.micro_batches, self._loss_fn(sub),
+                                               entropy_grad=self.algo.entropy_coef != 0)
+                if self.critic is not None:
+                    stats |= self.critic.train_step(sub.micro_batches, self._value_loss_fn(sub))
+                per_update.append(stats)
         metrics = {f"train/{k}": v for k, v in reduce_stats(per_update, mean=True).items()}
         metrics.update(self._batch_metrics(batch))
-        metrics.update(self._behav_stats)
+        metrics.update(self._step_stats)
+        metrics["train/lr"] = lrs[0]
+        if self.critic is not None:
+            metrics["train/critic_lr"] = lrs[-1]
+        self.schedule.step()
         self.version += 1
         return metrics
 
@@ -119,7 +150,93 @@ class TrainController:
         """Relay the new weights to every inference engine behind `rollout_ctl`."""
         rollout_ctl.update_weights(self.engine.named_parameters, self.version)
 
+    def state_dict(self) -> dict:
+        """Training state beyond the policy weights (saved as an HF folder): policy optimizer, LR schedule,
+        version, and the critic with its optimizer. Tensors are references: save (torch.save) before
+        training on."""
+        state = {"version": self.version, "lr_schedule": self.schedule.state_dict(),
+                 "policy_optimizer": self.engine.optimizer.state_dict()}
+        if self.critic is not None:
+            state["critic"] = self.critic.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if ("critic" in state) != (self.critic is not None):
+            raise ValueError("checkpoint and config disagree on the critic (algo.adv_estimator gae needs one)")
+        self.version = int(state["version"])
+        self.schedule.load_state_dict(state["lr_schedule"])
+        self.engine.optimizer.load_state_dict(state["policy_optimizer"])
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
+
     # ---- internals ----------------------------------------------------------------------------
+    def _build_critic(self) -> Critic:
+        """PPO's value model: a fresh copy of the policy's model (or algo.critic_path) with a scalar head."""
+        path = self.algo.critic_path or getattr(self.engine.model, "name_or_path", "")
+        if not path:
+            raise ValueError("algo.critic_path: the policy model has no path to build the critic from; set it")
+        t = self.train_cfg
+        return Critic.from_pretrained(path, dtype=next(self.engine.model.parameters()).dtype, lr=self.algo.critic_lr,
+                                      betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                                      autocast_bf16=self.engine.autocast_bf16)
+
+    def _optimizers(self) -> list:
+        return [self.engine.optimizer] + ([self.critic.optimizer] if self.critic is not None else [])
+
+    def _kl_in_reward(self) -> bool:
+        return self.algo.kl_mode == "reward" and self.algo.kl_coef > 0 and self.ref_engine is not None
+
+    def _outcome(self, batch: TrainBatch, per_turn: bool) -> list[torch.Tensor]:
+        """Per trained token: the sample's (or its turn's) shaped reward after the group baseline/scale."""
+        a = self.algo
+        entries = []  # (sample index, turn index or None, reward, generated tokens)
+        for i, s in enumerate(batch.samples):
+            if per_turn and s.turns and all(t.reward is not None for t in s.turns):
+                entries += [(i, j, float(t.reward), t.end - t.start) for j, t in enumerate(s.turns)]
+            else:
+                longest = max((t.end - t.start for t in s.turns), default=s.num_trained_tokens)
+                entries.append((i, None, float(s.reward or 0.0), longest))
+        penalty = overlong_penalty(torch.tensor([float(e[3]) for e in entries]), self.max_new_tokens,
+                                   a.overlong_buffer, a.overlong_penalty)
+        rewards = shape_rewards(torch.tensor([e[2] for e in entries]) + penalty, scale=a.reward_scale,
+                                bias=a.reward_bias, clip=a.reward_clip)
+        adv = compute_advantages(rewards, [batch.samples[e[0]].group_id for e in entries],
+                                 mean="group" if a.adv_mean == "group" else "none",
+                                 std="group" if a.adv_std == "group" else "none", leave_one_out=a.adv_leave_one_out)
+        if a.overlong_buffer:
+            self._step_stats |= {"train/overlong_frac": float((penalty < 0).float().mean()),
+                                 "train/overlong_penalty_mean": float(penalty.mean())}
+        self._step_stats["train/reward_shaped_mean"] = float(rewards.mean())
+        per_sample: list[dict] = [{} for _ in batch.samples]
+        for (i, j, _, _), v in zip(entries, adv.tolist()):
+            per_sample[i][j] = v
+        return [_token_values(s, v) for s, v in zip(batch.samples, per_sample)]
+
+    def _reward_kl(self, batch: TrainBatch) -> list[torch.Tensor] | None:
+        """Per-token KL(pi_old || pi_ref) estimates for the reward (None when KL is not in the reward)."""
+        if not self._kl_in_reward():
+            return None
+        old = batch.per_token.get("old_logp") or batch.per_token["behav_logp"]
+        kl = [kl_estimate(o, r, self.algo.kl_estimator) for o, r in zip(old, batch.per_token["ref_logp"])]
+        self._step_stats["train/kl_reward_mean"] = float(torch.cat(kl).mean())
+        return kl
+
+    def _gae(self, batch: TrainBatch, outcome: list[torch.Tensor], kl: list[torch.Tensor] | None) -> list:
+        """GAE with the sample's reward on its last trained token, minus kl_coef * KL on every token."""
+        a = self.algo
+        if "values" not in batch.per_token:
+            raise ValueError("algo.adv_estimator=gae needs critic values: run compute_values first")
+        rewards = []
+        for i, o in enumerate(outcome):
+            r = torch.zeros(len(o))
+            r[-1] = o[-1]
+            rewards.append(r - a.kl_coef * kl[i] if kl is not None else r)
+        adv, returns = gae(rewards, batch.per_token["values"], a.gamma, a.lam)
+        batch.per_token["returns"] = returns
+        self._step_stats |= {"train/explained_var": explained_variance(batch.flat("values"), torch.cat(returns)),
+                             "train/return_mean": float(torch.cat(returns).mean())}
+        return adv
+
     def _forward_into(self, engine: TrainEngine, batch: TrainBatch, key: str) -> None:
         for mb in batch.micro_batches:
             batch.scatter(key, mb, engine.forward_logprobs(mb))
@@ -138,18 +255,31 @@ class TrainController:
         batch.per_token["weights"] = list(weights.split(lengths))
         stat_weight = 1.0 / max(1, sum(lengths))
 
+        kl_loss_coef = a.kl_coef if a.kl_mode == "loss" else 0.0  # in reward mode, kl_ref is only logged
+
         def loss_fn(mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor | None):
             inp = LossInputs(old_logp=batch.gather("old_logp", mb), advantages=batch.gather("advantages", mb),
                              weights=batch.gather("weights", mb), stat_weight=stat_weight,
-                             ref_logp=batch.gather("ref_logp", mb), behav_weight=batch.gather("behav_weight", mb))
+                             ref_logp=batch.gather("ref_logp", mb), behav_weight=batch.gather("behav_weight", mb),
+                             seq_lengths=[batch.samples[i].num_trained_tokens for i in mb.sample_idx])
             loss, stats = policy_loss(logp, entropy, inp, clip_low=a.clip_low, clip_high=a.clip_high,
-                                      kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
-                                      entropy_coef=a.entropy_coef)
+                                      kl_coef=kl_loss_coef, kl_estimator=a.kl_estimator,
+                                      entropy_coef=a.entropy_coef, ratio_level=a.ratio_level)
             behav = batch.gather("behav_logp", mb)
             diff = (logp.detach() - behav).abs()
             stats["logprob_diff_engine_abs"] = float(diff.sum()) * stat_weight
             stats["logprob_diff_engine_max"] = float(diff.max())
             return loss, stats
+
+        return loss_fn
+
+    def _value_loss_fn(self, batch: TrainBatch):
+        """Clipped value loss against the GAE returns, a token mean over this (sub-)batch."""
+        weight = 1.0 / max(1, sum(batch.lengths))
+
+        def loss_fn(mb: MicroBatch, values: torch.Tensor):
+            return value_loss(values, batch.gather("values", mb), batch.gather("returns", mb), weight=weight,
+                              clip=self.algo.value_clip)
 
         return loss_fn
 

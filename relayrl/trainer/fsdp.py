@@ -1,0 +1,200 @@
+"""`FSDPEngine`: the TrainEngine sharded with torch FSDP2 across processes (gloo on CPU, NCCL on GPU).
+
+Why a subclass: TrainController uses `forward_logprobs`, `train_step`, `named_parameters` and the
+`optimizer` (LR schedule), so an engine with the same interface trains on N processes with the
+controller unchanged.
+
+How it runs (SPMD, torchrun style): every rank runs the same program and calls `ctl.fit(samples)`
+with the *same* full batch (rank 0 makes it and sends it, e.g. with `dist.broadcast_object_list`).
+Every rank then packs the same micro-batches, and the controller's loss weights are normalised
+over the whole batch, so the token-level mean is global by construction. `train_step` trains only
+this rank's share of the micro-batches (`balance_ranks`: balanced by padded tokens) and FSDP sums
+(not averages) the gradients across ranks, so one and N processes give the same update. Ranks with
+fewer micro-batches run empty steps (zero loss) because FSDP's collectives must match in number.
+A step whose ranks hold different batches is refused before any collective runs. `forward_logprobs`
+(old/ref logprobs) is called by every rank on every micro-batch: correct, but not data parallel yet.
+
+Weight sync: `named_parameters()` gathers one parameter at a time (an all-gather of its shards), so
+no rank holds more than one full parameter beyond its shard. Every rank must iterate it (it is a
+collective); ranks other than 0 get nothing by default, so followers run
+`for _ in engine.named_parameters(): pass` once per pass that rank 0 makes (one per rollout engine).
+
+Plugging in (not wired into relayrl.build yet): when `train.engine == "fsdp"`, launch the trainer
+with `torchrun --nproc-per-node N ...`, call `init_distributed()` first, build the engine with
+`FSDPEngine.from_pretrained(path, dtype=..., mixed_precision=cfg.train.fsdp_mixed_precision,
+gradient_checkpointing=cfg.model.gradient_checkpointing, lr=..., ...)`, give it to TrainController
+as usual, let rank 0 alone drive rollouts and `sync_weights`, and end with `shutdown_distributed()`.
+Parameters are DTensors: save a final model from `dict(engine.named_parameters())` on rank 0, not with
+`engine.model.save_pretrained`; `engine.optimizer.state_dict()` holds only this rank's shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from relayrl.trainer.algo import reduce_stats
+from relayrl.trainer.engine import LossFn, TrainEngine
+from relayrl.trainer.packer import MicroBatch, balance_ranks
+
+
+def init_distributed(backend: str | None = None) -> tuple[int, int]:
+    """Join the process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+
+    NCCL when CUDA is available (each process on cuda:LOCAL_RANK), else gloo. Returns (rank, world size).
+    """
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group; the barrier first, since exiting without it sometimes aborts gloo."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+class _TrainedPositions(torch.nn.Module):
+    """The FSDP root: decoder + LM head at trained positions in one forward.
+
+    FSDP2 gathers a module's parameters in its forward hooks; the engine calls the decoder and the LM
+    head separately, so they are wrapped in one module whose forward FSDP can hook.
+    """
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, attention_mask, position_ids, rows, cols) -> torch.Tensor:
+        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                       position_ids=position_ids, use_cache=False).last_hidden_state
+        return self.lm.get_output_embeddings()(hidden[rows, cols])
+
+
+class FSDPEngine(TrainEngine):
+    def __init__(self, model: torch.nn.Module, *, mixed_precision: bool = False,
+                 gradient_checkpointing: bool = False, **kwargs):
+        """Shard `model` (fully_shard per decoder layer, then the root) across the process group.
+
+        mixed_precision: bf16 parameters in forward/backward, fp32 gradient reduction and fp32 master
+        weights in the optimizer (FSDP2's MixedPrecisionPolicy).
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("FSDPEngine needs a process group: call relayrl.trainer.fsdp.init_distributed() "
+                               "first (run under torchrun, or set RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT)")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if dist.get_backend() == "nccl" else torch.device("cpu"))
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable()  # before sharding, while the layers are plain modules
+        model.to(self.device)
+        self.root = _shard(model, mixed_precision)
+        super().__init__(model, **kwargs)
+
+    # ---- forward ------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.autocast_bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return super()._autocast()
+
+    def _logits(self, mb: MicroBatch) -> torch.Tensor:
+        return self.root(mb.input_ids, mb.attention_mask, mb.position_ids, mb.rows, mb.cols)
+
+    def logprobs(self, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False):
+        """As TrainEngine.logprobs, computed on this rank's device and returned on the CPU, where the
+        controller keeps the per-token training data that the loss combines them with."""
+        logp, entropy = super().logprobs(_to_device(mb, self.device), with_entropy, entropy_grad)
+        return logp.cpu(), None if entropy is None else entropy.cpu()
+
+    # ---- training -----------------------------------------------------------------------------
+    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *,
+                   with_entropy: bool = True, entropy_grad: bool = False) -> dict[str, float]:
+        """One optimizer step over the batch; this rank trains only its share of the micro-batches."""
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        mbs = [mb for mb in micro_batches if mb.num_tokens > 0]
+        self._check_same_batch(mbs)
+        split = balance_ranks(mbs, self.world_size)
+        mine = [mbs[i] for i in split.ranks[self.rank]]
+        per_mb = [self._micro_step(mb, loss_fn, with_entropy, entropy_grad) for mb in mine]
+        for _ in range(split.steps - len(mine)):
+            self._empty_step()
+        parts: list = [None] * self.world_size
+        dist.all_gather_object(parts, reduce_stats(per_mb, mean=False))
+        stats = reduce_stats(parts, mean=False)  # micro-batch shares of batch values add up across ranks
+        stats.update(self._clip_and_step())
+        stats.update({k: v for k, v in split.stats.items() if k.startswith("dp_")})  # the controller has pad_frac
+        stats["train_step_s"] = time.perf_counter() - t0
+        return stats
+
+    def _empty_step(self) -> None:
+        """A one-token forward/backward with zero loss: it joins every collective of a real step."""
+        one = torch.zeros((1, 1), dtype=torch.long)
+        mb = MicroBatch([], one, torch.ones_like(one), torch.zeros(1, dtype=torch.long),
+                        torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        logp, _ = self.logprobs(mb)
+        (logp.sum() * 0.0).backward()
+
+    def _check_same_batch(self, mbs: list[MicroBatch]) -> None:
+        """Refuse a step whose ranks hold different batches, before any FSDP collective runs.
+
+        The loss weights assume every trained token of the batch is trained exactly once on some rank,
+        and the ranks' splits must agree for FSDP's collectives to pair up: different batches (say, a
+        non-deterministic packing) would give a silently wrong update or a hang, so they raise here.
+        """
+        mine = (len(mbs), tuple(mb.num_tokens for mb in mbs), tuple(mb.padded_tokens for mb in mbs))
+        parts: list = [None] * self.world_size
+        dist.all_gather_object(parts, mine)
+        if any(p != mine for p in parts):
+            raise RuntimeError("data-parallel ranks hold different batches (micro-batches per rank: "
+                               f"{[p[0] for p in parts]}, trained tokens per rank: {[sum(p[1]) for p in parts]}); "
+                               "every rank must call fit() with the same samples")
+
+    # ---- weights ------------------------------------------------------------------------------
+    def named_parameters(self, rank0_only: bool = True):
+        """Full weights, one parameter gathered at a time (a collective: every rank must iterate).
+
+        With rank0_only, other ranks take part in the gathers but get nothing, so they hold at most one
+        full parameter beyond their shard only while it is being gathered.
+        """
+        for name, p in self.model.named_parameters():
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            if self.rank == 0 or not rank0_only:
+                yield name, full.detach()
+            del full
+
+
+def _shard(model: torch.nn.Module, mixed_precision: bool) -> _TrainedPositions:
+    """fully_shard each decoder layer, then the root (embeddings, final norm, tied LM head); gradients
+    are summed across ranks, since the loss weights already normalise over the whole batch."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: FSDPEngine expects the decoder's blocks in .layers")
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision
+          else MixedPrecisionPolicy())
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp)
+    root = _TrainedPositions(model)
+    fully_shard(root, mp_policy=mp)
+    for m in root.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    return root
+
+
+def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
+    if device.type == "cpu":
+        return mb
+    moved = {f.name: getattr(mb, f.name).to(device, non_blocking=True) for f in dataclasses.fields(mb)
+             if isinstance(getattr(mb, f.name), torch.Tensor)}
+    return dataclasses.replace(mb, **moved)

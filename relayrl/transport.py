@@ -1,0 +1,165 @@
+"""Weight transports: how new policy weights travel from the trainer to the rollout side.
+
+- in-process: the trainer copies tensors straight into the engines (`RolloutController.update_weights`);
+- disk: the trainer writes `ROOT/v{version}/model.safetensors` (to a temp folder, renamed when complete)
+  and then the version number to `ROOT/LATEST` (atomically); the rollout side polls LATEST and loads. It
+  works across processes and, on a shared file system, machines; inference servers can load the folder;
+- dist: a torch.distributed broadcast from the trainer (rank 0) to the rollout process (rank 1), gloo on
+  CPU (NCCL on GPUs), in the fixed order of the model's parameters.
+
+Senders are called by the trainer after each update; receivers run a thread on the rollout side and call
+`apply(named_tensors, version)` for each new version.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from relayrl.utils import atomic_write_text
+
+Named = Iterable[tuple[str, torch.Tensor]]
+Apply = Callable[[Named, int], None]
+
+
+class DiskSender:
+    def __init__(self, root: str | os.PathLike, keep: int = 2):
+        self.root, self.keep = Path(root), keep
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def send(self, named_tensors: Named, version: int) -> Path:
+        target = self.root / f"v{version}"
+        tmp = Path(tempfile.mkdtemp(prefix=f".v{version}.", dir=self.root))
+        try:
+            tensors = {n: t.detach().to("cpu").contiguous() for n, t in named_tensors}
+            save_file(tensors, str(tmp / "model.safetensors"))
+            if not target.exists():
+                os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        atomic_write_text(self.root / "LATEST", f"{version}\n")
+        for old in self.root.glob("v*"):  # keep the newest few: a reader may still be loading one
+            if old.name[1:].isdigit() and int(old.name[1:]) <= version - self.keep:
+                shutil.rmtree(old, ignore_errors=True)
+        return target
+
+    def close(self) -> None:
+        pass
+
+
+class DiskReceiver:
+    """Polls ROOT/LATEST on a thread and applies each new version once."""
+
+    def __init__(self, root: str | os.PathLike, apply: Apply, poll_s: float = 0.2):
+        self.root, self.apply, self.poll_s = Path(root), apply, poll_s
+        self.version = -1
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="relayrl-weights-disk", daemon=True)
+        self._thread.start()
+
+    def latest(self) -> int:
+        try:
+            return int((self.root / "LATEST").read_text().strip())
+        except (OSError, ValueError):
+            return -1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            v = self.latest()
+            if v > self.version:
+                try:
+                    self.apply(load_file(str(self.root / f"v{v}" / "model.safetensors")).items(), v)
+                    self.version = v
+                except FileNotFoundError:
+                    continue  # rotated away while we looked: the next LATEST will do
+                except BaseException as e:
+                    self.error = e
+                    return
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+
+class DistSender:
+    """Rank 0 of a 2-process group: broadcasts [version] then every tensor, in parameter order."""
+
+    def __init__(self, address: str, world: int = 2, dtype: torch.dtype = torch.float32):
+        import torch.distributed as dist
+
+        self.dist, self.dtype = dist, dtype
+        self.group = _init_group(address, rank=0, world=world)
+
+    def send(self, named_tensors: Named, version: int) -> None:
+        self.dist.broadcast(torch.tensor([version], dtype=torch.long), src=0, group=self.group)
+        for _, t in named_tensors:
+            self.dist.broadcast(t.detach().to("cpu", self.dtype).contiguous(), src=0, group=self.group)
+
+    def close(self) -> None:
+        self.dist.broadcast(torch.tensor([-1], dtype=torch.long), src=0, group=self.group)  # receivers stop
+        _destroy(self.dist)
+
+
+class DistReceiver:
+    """Rank 1: receives each version into buffers shaped like `template` and applies it."""
+
+    def __init__(self, address: str, template: Named, apply: Apply, rank: int = 1, world: int = 2,
+                 dtype: torch.dtype = torch.float32):
+        import torch.distributed as dist
+
+        self.dist, self.apply = dist, apply
+        self.buffers = [(n, torch.empty(t.shape, dtype=dtype)) for n, t in template]  # the sender's wire dtype
+        self.version = -1
+        self.error: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(address, rank, world), name="relayrl-weights-dist",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, address: str, rank: int, world: int) -> None:
+        try:
+            group = _init_group(address, rank=rank, world=world)
+            self._ready.set()
+            while True:
+                header = torch.zeros(1, dtype=torch.long)
+                self.dist.broadcast(header, src=0, group=group)
+                version = int(header.item())
+                if version < 0:
+                    break
+                for _, buf in self.buffers:
+                    self.dist.broadcast(buf, src=0, group=group)
+                self.apply(self.buffers, version)
+                self.version = version
+            _destroy(self.dist)
+        except BaseException as e:
+            self.error = e
+            self._ready.set()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Wait for the sender's end-of-stream (it comes with the trainer's stop); the thread is a daemon, so
+        a trainer that never connected costs `timeout` seconds, not a hang."""
+        self._thread.join(timeout)
+
+
+def _init_group(address: str, rank: int, world: int):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # a peer that died leaves the other waiting at most this long
+        dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=300))
+    return dist.group.WORLD
+
+
+def _destroy(dist) -> None:
+    if dist.is_initialized():
+        dist.barrier()  # without it, gloo may abort at exit ("terminate called without an active exception")
+        dist.destroy_process_group()
