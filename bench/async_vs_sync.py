@@ -84,7 +84,8 @@ def main() -> None:
     result = _common.result_header("async_vs_sync") | {
         "workload": {"config": a.config, "steps": a.steps, "max_new_tokens": a.max_new_tokens, "seed": a.seed},
         "metrics": results, "ratios": ratios, "plot": str(png.relative_to(_common.REPO)) if png else None}
-    _common.write_json(a.out, result)
+    if not a.quick:  # a smoke run never replaces the recorded result
+        _common.write_json(_common.REPO / a.out, result)
     print({k: round(v, 3) for k, v in ratios.items()})
 
 
