@@ -158,3 +158,11 @@ def test_reference_kl_is_zero_at_start_and_grows(model, estimator):
     second = ctl.fit(samples)
     assert first["train/kl_ref"] == pytest.approx(0.0, abs=1e-6)
     assert abs(second["train/kl_ref"]) > 1e-4
+
+
+def test_a_batch_with_nothing_to_train_skips_the_step(model):
+    """A group filter may drop every group of a step: the step is skipped, not the run."""
+    before = [p.detach().clone() for p in model.parameters()]
+    ctl, metrics = _fit(model, [], 100, {})
+    assert metrics["train/skipped"] == 1.0 and ctl.version == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, ctl.engine.model.parameters()))

@@ -8,6 +8,7 @@ The controller owns what the algorithm needs beyond the policy engine: the PPO c
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -35,6 +36,8 @@ from relayrl.trainer.packer import MicroBatch, Packer, TrainBatch
 from relayrl.trainer.schedule import LRSchedule
 from relayrl.trainer.value import Critic
 
+logger = logging.getLogger(__name__)
+
 
 class TrainController:
     def __init__(self, engine: TrainEngine, algo: AlgoConfig, train: TrainConfig, *, pad_id: int,
@@ -55,8 +58,9 @@ class TrainController:
     def fit(self, samples: list[Sample]) -> dict[str, float]:
         t0 = time.perf_counter()
         samples = [s for s in samples if s.num_trained_tokens > 0]
-        if not samples:
-            raise ValueError("fit() got a batch with no trainable tokens")
+        if not samples:  # e.g. a group filter dropped every group: skip the update, keep the run going
+            logger.warning("step skipped: the batch has no trainable tokens (every group filtered or empty)")
+            return {"train/skipped": 1.0, "time/train_s": time.perf_counter() - t0}
         batch = self.packer.pack(samples)
         batch = self.compute_old_logprobs(batch)
         batch = self.compute_ref_logprobs(batch)
