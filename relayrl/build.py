@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from relayrl import checkpoint
 from relayrl.agents import AGENTS, Agent
 from relayrl.config import dump_yaml
 from relayrl.config.schema import Config
@@ -32,7 +33,7 @@ from relayrl.scheduler import AsyncScheduler, SyncScheduler, group_filter
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
 from relayrl.trajectories import TrajectoryLogger
-from relayrl.utils import import_from_path
+from relayrl.utils import check_writable, import_from_path
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Components:
     trajectories: TrajectoryLogger | None = None
     servers: list[ManagedServer] = field(default_factory=list)  # inference servers this run launched
     producer: ProducerHandle | None = None  # separate placement: the rollout process
+    step: int = 0  # the last finished training step: a resumed run continues after it
 
     def evaluate(self) -> dict[str, float]:
         """Generate the held-out set with the eval agent and score it (empty if no eval data)."""
@@ -116,12 +118,7 @@ def new_run_dir(cfg: Config) -> Path:
     while path.exists() and any(path.iterdir()):
         n += 1
         path = base.with_name(f"{base.name}-{n}")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        (path / ".write_test").write_text("ok")
-        (path / ".write_test").unlink()
-    except OSError as e:
-        raise OSError(f"run.output_dir: cannot write to {path}: {e}") from e
+    check_writable(path, "run.output_dir")
     return path
 
 
@@ -171,10 +168,20 @@ def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) 
         raise
 
 
+def _run_folder(cfg: Config, resume: bool) -> tuple[Path, Path | None]:
+    """A new run folder; or, resuming, the run's own folder (cut back to its checkpoint) and that checkpoint."""
+    if resume:
+        run_dir, ckpt = checkpoint.resume_target(cfg)
+        checkpoint.prepare_resume(run_dir, ckpt)
+    else:
+        run_dir, ckpt = new_run_dir(cfg), None
+    dump_yaml(cfg, str(run_dir / "config.yaml"))
+    return run_dir, ckpt
+
+
 def _build_trainer(cfg: Config) -> Components:
     """The trainer of separate placement; its producer process starts first so both load models at once."""
-    run_dir = new_run_dir(cfg)
-    dump_yaml(cfg, str(run_dir / "config.yaml"))
+    run_dir, _ = _run_folder(cfg, resume=False)  # the config refuses checkpoints with separate placement
     producer = ProducerHandle(cfg, run_dir, dist_address=f"127.0.0.1:{free_port()}")
     try:
         model_path = resolve_model_path(cfg.model.path)
@@ -196,9 +203,9 @@ def _pad_id(tokenizer, model_path: str) -> int:
 
 def _build_with_judge(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge, role: str,
                       run_dir: Path | None) -> Components:
+    ckpt = None
     if run_dir is None:
-        run_dir = new_run_dir(cfg)
-        dump_yaml(cfg, str(run_dir / "config.yaml"))
+        run_dir, ckpt = _run_folder(cfg, resume=role == "colocated" and bool(cfg.run.resume))
     model_path = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_path)
     prompt_fn = PromptBuilder(tokenizer, cfg.data.prompt)
@@ -226,8 +233,15 @@ def _build_with_judge(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judg
     logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if role != "producer" else None
     trajectories = TrajectoryLogger(run_dir, tokenizer) if cfg.run.log_trajectories and role != "producer" else None
     judge.wait_ready()
-    return Components(cfg, run_dir, tokenizer, rollout_ctl, judge, env, data, train_ctl, logger,
-                      eval_agent, eval_data, trajectories=trajectories, servers=servers)
+    c = Components(cfg, run_dir, tokenizer, rollout_ctl, judge, env, data, train_ctl, logger,
+                   eval_agent, eval_data, trajectories=trajectories, servers=servers)
+    if role == "colocated":
+        try:
+            checkpoint.prepare(c, ckpt)  # room for checkpoints; resume: weights, optimizer, data, RNGs
+        except BaseException:
+            c.close()
+            raise
+    return c
 
 
 def launch_servers(cfg: Config, model_path: str, run_dir: Path) -> list[ManagedServer]:

@@ -60,6 +60,10 @@ class Env:
 
         self._producer = self.run(start())
 
+    @property
+    def producing(self) -> bool:
+        return self._producer is not None
+
     def get_batch(self, data_mgr: DataManager, version: int, timeout: float | None = None) -> tuple[list, dict]:
         """The next batch from the producer, no staler than the bound (blocks; re-raises producer errors)."""
         return self.scheduler.get_batch(data_mgr, version, timeout)

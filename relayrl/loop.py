@@ -1,8 +1,8 @@
 """The main training loops: short functions that compose the components (seed 002).
 
-`train_colocated` is the whole synchronous algorithm: rollout, fit, relay weights, log.
+`train_colocated` is the whole synchronous algorithm: rollout, fit, relay weights, log, checkpoint.
 `train_async` is seed 002's separate loop: a producer keeps generating beside the trainer, which takes
-batches within the staleness bound.
+batches within the staleness bound. Both start after `c.step`, the step a resumed run was checkpointed at.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import time
 
 from tqdm import tqdm
 
+from relayrl import checkpoint
 from relayrl.build import Components, build
 from relayrl.config.schema import Config
 from relayrl.evaluator import rollout_metrics
@@ -21,10 +22,8 @@ from relayrl.sample import Sample
 def train_colocated(c: Components) -> dict[str, float]:
     """Colocated synchronous RL: each step trains on samples from the current policy only."""
     cfg = c.cfg
-    last_eval = _evaluate(c, 0) if cfg.eval.at_start else {}
-    bar = tqdm(range(1, cfg.run.steps + 1), desc="train", unit="step", dynamic_ncols=True,
-               disable=not sys.stderr.isatty())
-    for step in bar:
+    last_eval = _evaluate(c, 0) if cfg.eval.at_start and c.step == 0 else {}
+    for step in (bar := _steps(c)):
         t0 = time.perf_counter()
         metrics = c.env.produce_batch(c.data, cfg.data.batch_size)
         batch = c.data.get_batch()
@@ -37,7 +36,13 @@ def train_colocated(c: Components) -> dict[str, float]:
         _log(c, step, metrics, bar, batch)
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.run.steps:
             last_eval = _evaluate(c, step)
+        checkpoint.save_if_due(c, step)
     return _finish(c, last_eval)
+
+
+def _steps(c: Components) -> tqdm:
+    return tqdm(range(c.step + 1, c.cfg.run.steps + 1), desc="train", unit="step", dynamic_ncols=True,
+                initial=c.step, total=c.cfg.run.steps, disable=not sys.stderr.isatty())
 
 
 def _finish(c: Components, last_eval: dict[str, float]) -> dict[str, float]:
@@ -53,12 +58,10 @@ def train_async(c: Components) -> dict[str, float]:
     scheduler.max_staleness policy versions old. The rollouts run in this process or, with
     scheduler.placement=separate, in a producer process: the loop is the same."""
     cfg = c.cfg
-    last_eval = _evaluate(c, 0) if cfg.eval.at_start else {}
+    last_eval = _evaluate(c, 0) if cfg.eval.at_start and c.step == 0 else {}
     c.start_producer()
     try:
-        bar = tqdm(range(1, cfg.run.steps + 1), desc="train", unit="step", dynamic_ncols=True,
-                   disable=not sys.stderr.isatty())
-        for step in bar:
+        for step in (bar := _steps(c)):
             t0 = time.perf_counter()
             batch, metrics = c.get_batch(c.train_ctl.version)
             if c.trajectories is not None:
@@ -71,6 +74,7 @@ def train_async(c: Components) -> dict[str, float]:
             _log(c, step, metrics, bar, batch)
             if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.run.steps:
                 last_eval = _evaluate(c, step)
+            checkpoint.save_if_due(c, step)
     finally:
         c.stop_producer()
     return _finish(c, last_eval)

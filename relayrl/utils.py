@@ -50,6 +50,18 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         raise
 
 
+def check_writable(path: str | os.PathLike, key: str) -> None:
+    """Create `path` and write a file in it, so an unwritable folder fails before compute is spent;
+    the error names the config key that chose the folder."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / ".write_test").write_text("ok")
+        (path / ".write_test").unlink()
+    except OSError as e:
+        raise OSError(f"{key}: cannot write to {path}: {e}") from e
+
+
 def append_jsonl(path: str | os.PathLike, record: dict[str, Any]) -> None:
     """Append one JSON line with a single write() so a crash never leaves a half line behind.
 

@@ -325,6 +325,18 @@ class RunConfig:
     print_samples: int = 1  # responses shown per step in the console
     log_trajectories: bool = True  # RUN_DIR/trajectories/<version>/{samples.txt,monitor.jsonl}
     save_final: bool = True  # RUN_DIR/model: the trained policy as a plain HF folder (for relayrl eval)
+    # RUN_DIR/checkpoints/step_N every N steps and at the last step (0: none); see docs/checkpoints.md
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2  # complete checkpoints kept; older ones are deleted once a newer one is complete
+    resume: str = ""  # "auto": the latest checkpoint of output_dir/name (none: start there); or a run or step_N folder
+
+    def validate(self) -> None:
+        check(self.steps >= 0, "steps", "must be >= 0")
+        check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0: no checkpoints)")
+        check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+        if self.resume not in ("", "auto"):
+            check(Path(self.resume).expanduser().is_dir(), "resume",
+                  f"{self.resume!r} is not a folder: use auto, a run folder or RUN_DIR/checkpoints/step_N")
 
 
 @dataclass
@@ -350,6 +362,10 @@ class Config:
         check(a.overlong_buffer < self.sampling.max_new_tokens, "algo.overlong_buffer",
               f"must be < sampling.max_new_tokens ({self.sampling.max_new_tokens}): the penalty ramps over the "
               "last overlong_buffer tokens before it")
+        if self.scheduler.placement == "separate":  # the producer process holds the prompt position
+            check(self.run.checkpoint_every == 0, "run.checkpoint_every",
+                  "checkpoints are not supported with scheduler.placement=separate yet (use colocated)")
+            check(not self.run.resume, "run.resume", "resume is not supported with scheduler.placement=separate yet")
 
     @property
     def run_dir(self) -> Path:

@@ -138,9 +138,15 @@ class DataManager:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"loader": self.loader.state_dict(), "epoch": self.epoch, "drawn": self.drawn}
+        """The dataloader position (epoch, shuffled order, rows yielded), the drawn counter that seeds sampling,
+        and the prompts waiting to be generated again. Take it while no producer is drawing prompts."""
+        return {"loader": self.loader.state_dict(), "epoch": self.epoch, "drawn": self.drawn,
+                "requeued": list(self._requeued), "generator": self._generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state["loader"])
         self.epoch, self.drawn = state["epoch"], state.get("drawn", 0)
+        self._requeued = deque(state.get("requeued", []))
+        if "generator" in state:
+            self._generator.set_state(state["generator"])
         self._it = iter(self.loader)

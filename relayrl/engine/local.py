@@ -177,6 +177,14 @@ class LocalEngine:
         with self._step_lock:
             self._version = version
 
+    def rng_state(self) -> torch.Tensor:
+        """State of the generator that samples requests without a seed (saved in checkpoints)."""
+        return self._generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        with self._step_lock:
+            self._generator.set_state(state)
+
     def pause(self) -> None:
         """Stop stepping after the current token; running sequences keep their state."""
         with self._step_lock, self._cond:

@@ -17,7 +17,6 @@ its prompt goes back to the front of the queue (the tail batch), and a fresher g
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
 
@@ -82,8 +81,14 @@ class AsyncScheduler:
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 self._wake.clear()
-                with contextlib.suppress(TimeoutError):  # a timer too: the version may change unannounced
-                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                # a timer too: the version may change unannounced. Not wait_for: on Python 3.11 it can swallow a
+                # cancel that lands as its inner wait ends, and this loop ran on (stop_producer then waited 30 s
+                # and a checkpoint would have seen prompts drawn after the stop)
+                waiter = asyncio.ensure_future(self._wake.wait())
+                try:
+                    await asyncio.wait({waiter}, timeout=1.0)
+                finally:
+                    waiter.cancel()
         except BaseException as e:
             if not isinstance(e, asyncio.CancelledError):
                 data_mgr.replay_buffer.fail(e)
@@ -96,8 +101,9 @@ class AsyncScheduler:
     async def _run(self, group: list[Sample], agent: Agent, data_mgr: DataManager) -> None:
         try:
             samples = await run_group(group, agent, self.agent_timeout)
-        except asyncio.CancelledError:
-            self.manager.on_finish(False)
+        except asyncio.CancelledError:  # the producer stopped: generate this prompt again (a checkpoint taken
+            self.manager.on_finish(False)  # now must neither lose it nor train it twice)
+            data_mgr.requeue(group[0].data)
             raise
         except BaseException as e:  # a bug outside the agents: stop the run, loudly
             data_mgr.replay_buffer.fail(e)
