@@ -94,7 +94,9 @@ class Components:
 
     def save_model(self, path: Path) -> Path:
         """Write the trained policy as a plain HF folder (loads with from_pretrained), atomically."""
-        return save_pretrained_atomic(self.train_ctl.engine.model, self.tokenizer, path)
+        full = getattr(self.train_ctl, "full_state_dict", None)  # FSDP: gather the shards (all ranks take part)
+        return save_pretrained_atomic(self.train_ctl.engine.model, self.tokenizer, path,
+                                      state_dict=full() if full else None)
 
     def close(self) -> None:
         """Release everything, producer first (it may be using the rest), each part even if another fails."""
@@ -194,6 +196,14 @@ def _build_trainer(cfg: Config) -> Components:
     trajectories = TrajectoryLogger(run_dir, tokenizer) if cfg.run.log_trajectories else None
     return Components(cfg, run_dir, tokenizer, None, None, None, None, train_ctl, logger,
                       trajectories=trajectories, producer=producer)
+
+
+def build_follower(cfg: Config) -> TrainController:
+    """A rank > 0 of train.engine=fsdp: only its shard of the trainer (see relayrl.trainer.leader)."""
+    random.seed(cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+    model_path = resolve_model_path(cfg.model.path)
+    return _train_controller(cfg, model_path, _pad_id(load_tokenizer(model_path), model_path))
 
 
 def _pad_id(tokenizer, model_path: str) -> int:
@@ -307,13 +317,16 @@ def make_scheduler(cfg: Config, rollout_ctl: RolloutController) -> SyncScheduler
 
 def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainController:
     t = cfg.train
-    if t.engine == "fsdp":
-        raise NotImplementedError("train.engine=fsdp: `relayrl train` does not launch FSDP workers yet; use "
-                                  "relayrl.trainer.fsdp.FSDPEngine under torchrun (see that module's docstring)")
     engine_kw = dict(temperature=cfg.sampling.temperature, autocast_bf16=cfg.model.autocast_bf16)
-    train_engine = TrainEngine.from_pretrained(
-        model_path, dtype=cfg.model.train_dtype, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay,
-        grad_clip=t.grad_clip, gradient_checkpointing=cfg.model.gradient_checkpointing, **engine_kw)
+    optim_kw = dict(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                    gradient_checkpointing=cfg.model.gradient_checkpointing)
+    if t.engine == "fsdp":  # this process's shard; the process group is up (relayrl.loop.train)
+        from relayrl.trainer.fsdp import FSDPEngine
+
+        train_engine = FSDPEngine.from_pretrained(model_path, dtype=cfg.model.train_dtype,
+                                                  mixed_precision=t.fsdp_mixed_precision, **optim_kw, **engine_kw)
+    else:
+        train_engine = TrainEngine.from_pretrained(model_path, dtype=cfg.model.train_dtype, **optim_kw, **engine_kw)
     ref_engine = None
     if cfg.algo.kl_coef > 0:
         ref_model = load_model(model_path, dtype=cfg.model.train_dtype).requires_grad_(False)

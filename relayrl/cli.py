@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 
 from relayrl.config import ConfigError
@@ -22,12 +23,26 @@ def _train(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
+    if cfg.train.engine == "fsdp" and "RANK" not in os.environ:
+        return _torchrun(cfg.train.world_size, ["train", *([f"--config={args.config}"] if args.config else []),
+                                                *args.overrides])
     from relayrl.loop import train
 
     final = train(cfg)
     if final:
         print("final eval: " + ", ".join(f"{k}={v:.4f}" for k, v in final.items() if "pass" in k or "reward" in k))
     return 0
+
+
+def _torchrun(world_size: int, argv: list[str]) -> int:
+    """Run this same command as `world_size` trainer processes on this machine (torchrun --standalone);
+    under a torchrun of the user's own (RANK is set: several machines), relayrl does not start one."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+           "-m", "relayrl.cli", *argv]
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops its ranks
+        return 130
 
 
 def _eval(args: argparse.Namespace) -> int:

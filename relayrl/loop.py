@@ -89,12 +89,38 @@ def staleness_metrics(batch: list[Sample], version: int) -> dict[str, float]:
 
 def train(cfg: Config) -> dict[str, float]:
     """Build a run from its config, train, and release every process and thread it started."""
+    if cfg.train.engine == "fsdp":
+        return _train_data_parallel(cfg)
     c = build(cfg, role="trainer" if cfg.scheduler.placement == "separate" else "colocated")
     print(f"run folder: {c.run_dir}")
     try:
         return train_async(c) if cfg.scheduler.mode == "async" else train_colocated(c)
     finally:
         c.close()
+
+
+def _train_data_parallel(cfg: Config) -> dict[str, float]:
+    """train.engine=fsdp, one process per rank (torchrun): rank 0 runs the loop above with a LeaderController,
+    the other ranks follow its trainer calls (relayrl/trainer/leader.py)."""
+    from relayrl.build import build_follower
+    from relayrl.trainer.fsdp import init_distributed, shutdown_distributed
+    from relayrl.trainer.leader import LeaderController, follow
+
+    rank, _ = init_distributed()
+    try:
+        if rank:
+            follow(build_follower(cfg))
+            return {}
+        c = build(cfg)
+        c.train_ctl = LeaderController(c.train_ctl)
+        print(f"run folder: {c.run_dir}")
+        try:
+            return train_async(c) if cfg.scheduler.mode == "async" else train_colocated(c)
+        finally:
+            c.train_ctl.stop_followers()
+            c.close()
+    finally:
+        shutdown_distributed()
 
 
 def evaluate(cfg: Config) -> dict[str, float]:

@@ -185,10 +185,11 @@ def prepare_smollm2(force: bool = False) -> Path:
 
 
 def save_pretrained_atomic(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                           path: str | os.PathLike) -> Path:
-    """Save model + tokenizer as a plain HF folder; readers never see a half-written one."""
+                           path: str | os.PathLike, state_dict: dict | None = None) -> Path:
+    """Save model + tokenizer as a plain HF folder; readers never see a half-written one.
+    `state_dict`: the full weights when the model's own are shards (FSDP)."""
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
 
     return _atomic_build(Path(path), write, force=True)

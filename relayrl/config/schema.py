@@ -288,10 +288,14 @@ class TrainConfig:
     min_lr_ratio: float = 0.0
     # local: one process (TrainEngine); fsdp: FSDP2 across torchrun processes (relayrl.trainer.fsdp.FSDPEngine)
     engine: Literal["local", "fsdp"] = "local"
+    world_size: int = 1  # fsdp: trainer processes; `relayrl train` starts them with torchrun unless run under it
     fsdp_mixed_precision: bool = False  # fsdp: bf16 forward/backward, fp32 gradient reduction and master weights
 
     def validate(self) -> None:
         check(self.lr > 0, "lr", "must be > 0")
+        check(self.world_size >= 1, "world_size", "must be >= 1")
+        check(self.world_size == 1 or self.engine == "fsdp", "world_size", "more than one process needs "
+              "train.engine=fsdp")
         check(not self.fsdp_mixed_precision or self.engine == "fsdp", "fsdp_mixed_precision",
               "needs train.engine=fsdp (the local engine's bf16 option is model.autocast_bf16)")
         check(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
@@ -362,6 +366,11 @@ class Config:
         check(a.overlong_buffer < self.sampling.max_new_tokens, "algo.overlong_buffer",
               f"must be < sampling.max_new_tokens ({self.sampling.max_new_tokens}): the penalty ramps over the "
               "last overlong_buffer tokens before it")
+        if self.train.engine == "fsdp":
+            check(self.scheduler.placement == "colocated", "scheduler.placement",
+                  "train.engine=fsdp runs with colocated placement (sync or async) for now")
+            check(self.run.checkpoint_every == 0 and not self.run.resume, "run.checkpoint_every",
+                  "checkpoints of sharded (train.engine=fsdp) trainers are not supported yet")
         if self.scheduler.placement == "separate":  # the producer process holds the prompt position
             check(self.run.checkpoint_every == 0, "run.checkpoint_every",
                   "checkpoints are not supported with scheduler.placement=separate yet (use colocated)")

@@ -19,13 +19,12 @@ no rank holds more than one full parameter beyond its shard. Every rank must ite
 collective); ranks other than 0 get nothing by default, so followers run
 `for _ in engine.named_parameters(): pass` once per pass that rank 0 makes (one per rollout engine).
 
-Plugging in (not wired into relayrl.build yet): when `train.engine == "fsdp"`, launch the trainer
-with `torchrun --nproc-per-node N ...`, call `init_distributed()` first, build the engine with
-`FSDPEngine.from_pretrained(path, dtype=..., mixed_precision=cfg.train.fsdp_mixed_precision,
-gradient_checkpointing=cfg.model.gradient_checkpointing, lr=..., ...)`, give it to TrainController
-as usual, let rank 0 alone drive rollouts and `sync_weights`, and end with `shutdown_distributed()`.
-Parameters are DTensors: save a final model from `dict(engine.named_parameters())` on rank 0, not with
-`engine.model.save_pretrained`; `engine.optimizer.state_dict()` holds only this rank's shard.
+Plugging in: `relayrl train ... train.engine=fsdp train.world_size=N` starts N processes with torchrun
+(relayrl.cli), rank 0 builds the whole run and the other ranks only their trainer shard (relayrl.build), and
+relayrl.trainer.leader keeps their trainer calls in step. Under a torchrun of the user's own (several
+machines) relayrl starts nothing and joins it. Parameters are DTensors: a final model is saved from
+`dict(engine.named_parameters())` (Components.save_model does), not with `engine.model.save_pretrained`;
+`engine.optimizer.state_dict()` holds only this rank's shard, so checkpoints of sharded runs are refused.
 """
 
 from __future__ import annotations

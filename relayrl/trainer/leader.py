@@ -1,0 +1,81 @@
+"""Data-parallel training under `relayrl train`: rank 0 leads, the other ranks follow.
+
+With `train.engine=fsdp` the trainer runs on N processes (torchrun). Only rank 0 runs the RL loop (engines,
+agents, judge, logs); the other ranks hold their FSDP shards and do what rank 0 does to the trainer, in the
+same order, because every FSDP call is a collective: fit the same batch, gather the full weights for a sync or
+an export. Rank 0's `LeaderController` broadcasts each such command before running it; `follow()` is the
+other ranks' whole program. The loop code is unchanged: it talks to a LeaderController as to a TrainController.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from relayrl.trainer.controller import TrainController
+
+
+def _send(command: str, payload: Any = None) -> None:
+    dist.broadcast_object_list([(command, payload)], src=0)
+
+
+def _receive() -> tuple[str, Any]:
+    box: list = [None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class _LeaderEngine:
+    """Rank 0's view of the FSDPEngine: a full-weight gather is announced to the followers first."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        _send("gather")
+        return self._engine.named_parameters()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+class LeaderController:
+    """A TrainController on rank 0 whose collective calls are mirrored by the followers."""
+
+    def __init__(self, ctl: TrainController):
+        self._ctl = ctl
+        self.engine = _LeaderEngine(ctl.engine)
+
+    def fit(self, samples) -> dict[str, float]:
+        _send("fit", samples)
+        return self._ctl.fit(samples)
+
+    def sync_weights(self, rollout_ctl) -> None:
+        rollout_ctl.update_weights(self.engine.named_parameters, self._ctl.version)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.engine.named_parameters())
+
+    def stop_followers(self) -> None:
+        _send("stop")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctl, name)
+
+
+def follow(ctl: TrainController) -> None:
+    """The program of ranks > 0: mirror rank 0's trainer calls until it says stop."""
+    while True:
+        command, payload = _receive()
+        if command == "fit":
+            ctl.fit(payload)
+        elif command == "gather":
+            for _ in ctl.engine.named_parameters():
+                pass
+        elif command == "stop":
+            return
+        else:
+            raise RuntimeError(f"unknown command from rank 0: {command!r}")
