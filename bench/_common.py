@@ -55,3 +55,13 @@ def result_header(name: str) -> dict:
 def write_json(path: str | os.PathLike, obj: dict) -> None:
     """Write obj as indented JSON atomically (temp file in the same folder, then os.replace)."""
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def load_before_run() -> float:
+    """The 1-minute load average now, with a warning when another process is using the CPU (the run's
+    timings would not be representative); benches record it in their result."""
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        print(f"WARNING: 1-min load average is {load:.2f} before the run: another process is using the CPU, "
+              "so step times are not representative", file=sys.stderr)
+    return load

@@ -256,10 +256,7 @@ def main() -> None:
     from relayrl.models import resolve_model_path, tiny_model
 
     model = str(tiny_model()) if a.quick else resolve_model_path(a.model)
-    load = os.getloadavg()[0]
-    if load > 0.5:
-        print(f"WARNING: 1-min load average is {load:.2f} before the run: another process is using the CPU, "
-              "so step times (2-thread OpenMP regions especially) are not representative", file=sys.stderr)
+    load = _common.load_before_run()
     runs: dict[str, list[dict]] = {s: [] for s in a.sides}
     for r in range(a.rounds):
         for side in a.sides:

@@ -188,7 +188,7 @@ def _build_trainer(cfg: Config) -> Components:
     try:
         model_path = resolve_model_path(cfg.model.path)
         tokenizer = load_tokenizer(model_path)
-        train_ctl = _train_controller(cfg, model_path, _pad_id(tokenizer, model_path))
+        train_ctl = _train_controller(cfg, model_path, _pad_id(tokenizer, eos_token_ids(tokenizer, model_path)))
         logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
     except BaseException:
         producer.stop()
@@ -203,11 +203,11 @@ def build_follower(cfg: Config) -> TrainController:
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     model_path = resolve_model_path(cfg.model.path)
-    return _train_controller(cfg, model_path, _pad_id(load_tokenizer(model_path), model_path))
+    tokenizer = load_tokenizer(model_path)
+    return _train_controller(cfg, model_path, _pad_id(tokenizer, eos_token_ids(tokenizer, model_path)))
 
 
-def _pad_id(tokenizer, model_path: str) -> int:
-    eos = eos_token_ids(tokenizer, model_path)
+def _pad_id(tokenizer, eos: list[int]) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
 
 
@@ -228,7 +228,7 @@ def _build_with_judge(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judg
             server.stop()
         raise
     rollout_ctl = RolloutController(engines, partial_rollout=cfg.scheduler.partial_rollout)
-    train_ctl = _train_controller(cfg, model_path, _pad_id(tokenizer, model_path)) if role == "colocated" else None
+    train_ctl = _train_controller(cfg, model_path, _pad_id(tokenizer, eos)) if role == "colocated" else None
     agent = agent_cls(rollout_ctl, tokenizer, sampling_params(cfg), judge, **cfg.agent.kwargs)
     env = Env(agent, make_scheduler(cfg, rollout_ctl), SyncScheduler(cfg.agent.timeout))
     data = None

@@ -41,15 +41,16 @@ class RolloutController:
     def version(self) -> int:
         return min(e.version for e in self.engines)
 
-    def _route(self, rid: str | None) -> InferenceEngine:
-        """Sticky per trajectory: a new rid goes to the engine with the fewest requests in flight (round-robin
-        among ties) and stays there, so later turns find their KV cache. (A hash of the rid spreads badly:
-        crc32 of "traj-0".."traj-3" lands all four on one of two engines.)"""
+    def _route(self, rid: str | None) -> int:
+        """The index of the engine for `rid`. Sticky per trajectory: a new rid goes to the engine with the
+        fewest requests in flight (round-robin among ties) and stays there, so later turns find their KV
+        cache. (A hash of the rid spreads badly: crc32 of "traj-0".."traj-3" lands all four on one of two
+        engines.)"""
         if len(self.engines) == 1:
-            return self.engines[0]
+            return 0
         if rid is not None and rid in self._sticky:
             self._sticky.move_to_end(rid)
-            return self.engines[self._sticky[rid]]
+            return self._sticky[rid]
         n = len(self.engines)
         order = [(self._next + k) % n for k in range(n)]
         i = min(order, key=lambda j: self._in_flight[j])
@@ -58,7 +59,7 @@ class RolloutController:
             self._sticky[rid] = i
             if len(self._sticky) > _STICKY_MAX:
                 self._sticky.popitem(last=False)
-        return self.engines[i]
+        return i
 
     async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> GenOutput:
         """Generate, resubmitting interrupted generations (see the module docstring)."""
@@ -66,11 +67,11 @@ class RolloutController:
         got = GenOutput([], [], [], "abort", len(input_ids))
         while True:
             left = params.max_new_tokens - len(got.output_ids)
-            engine = self._route(rid)
-            i = self.engines.index(engine)
+            i = self._route(rid)
             self._in_flight[i] += 1
             try:
-                out = await engine.agenerate(input_ids + got.output_ids, replace(params, max_new_tokens=left), rid)
+                out = await self.engines[i].agenerate(input_ids + got.output_ids,
+                                                      replace(params, max_new_tokens=left), rid)
             finally:
                 self._in_flight[i] -= 1
             got = GenOutput(got.output_ids + out.output_ids, got.logprobs + out.logprobs,

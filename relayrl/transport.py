@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
-import tempfile
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -30,21 +29,31 @@ Named = Iterable[tuple[str, torch.Tensor]]
 Apply = Callable[[Named, int], None]
 
 
+def save_weights_version(root: Path, named_tensors: Named, version: int) -> Path:
+    """Write ROOT/v{version}/model.safetensors atomically (a reader sees no folder or a complete one).
+
+    Tensors that share storage (tied weights) are cloned: safetensors refuses to save shared storage.
+    A folder left by an earlier run under the same version is replaced: the version sent now is the truth.
+    """
+    from relayrl.models import _atomic_build
+
+    tensors, seen = {}, set()
+    for name, t in named_tensors:
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        tensors[name] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    return _atomic_build(Path(root) / f"v{version}", lambda tmp: save_file(tensors, str(tmp / "model.safetensors")),
+                         force=True)
+
+
 class DiskSender:
     def __init__(self, root: str | os.PathLike, keep: int = 2):
         self.root, self.keep = Path(root), keep
         self.root.mkdir(parents=True, exist_ok=True)
 
     def send(self, named_tensors: Named, version: int) -> Path:
-        target = self.root / f"v{version}"
-        tmp = Path(tempfile.mkdtemp(prefix=f".v{version}.", dir=self.root))
-        try:
-            tensors = {n: t.detach().to("cpu").contiguous() for n, t in named_tensors}
-            save_file(tensors, str(tmp / "model.safetensors"))
-            if not target.exists():
-                os.replace(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        target = save_weights_version(self.root, named_tensors, version)
         atomic_write_text(self.root / "LATEST", f"{version}\n")
         for old in self.root.glob("v*"):  # keep the newest few: a reader may still be loading one
             if old.name[1:].isdigit() and int(old.name[1:]) <= version - self.keep:

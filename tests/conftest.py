@@ -1,8 +1,14 @@
-"""Shared fixtures: a real tiny model (random init, small vocab) built once per session."""
+"""Shared fixtures: a real tiny model (random init, small vocab) built once per session, the tests folder on
+sys.path (configs name test agents and rewards by import path; judge workers inherit sys.path), and a small
+arithmetic dataset writer."""
 
+import json
 import os
+from pathlib import Path
 
 import pytest
+
+TESTS = str(Path(__file__).parent)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -13,3 +19,15 @@ def tiny_path():
     from relayrl.models import tiny_model
 
     return str(tiny_model("qwen2"))
+
+
+@pytest.fixture(autouse=True)
+def tests_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(TESTS)
+
+
+def write_sums(path: Path, n: int) -> str:
+    """A JSONL dataset of n rows "What is i + i?" -> 2i; returns its path as a string (for config overrides)."""
+    path.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(n)))
+    return str(path)

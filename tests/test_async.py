@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TESTS, write_sums
 from engines_for_tests import HaltingEngine
 
 from relayrl.build import build
@@ -25,20 +26,10 @@ from relayrl.trainer.algo import LossInputs, behav_weights, policy_loss
 from relayrl.trajectories import load_trajectories
 from relayrl.utils import read_jsonl
 
-TESTS = str(Path(__file__).parent)
-
-
-@pytest.fixture(autouse=True)
-def tests_on_path(monkeypatch):
-    monkeypatch.syspath_prepend(TESTS)
-
 
 @pytest.fixture
 def data(tmp_path):
-    path = tmp_path / "d.jsonl"
-    path.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
-                            for i in range(40)))
-    return str(path)
+    return write_sums(tmp_path / "d.jsonl", 40)
 
 
 def cfg_for(tiny_path, data, tmp_path, name, **extra):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TESTS, write_sums
 from transformers import AutoModelForCausalLM
 
 from relayrl import checkpoint
@@ -24,20 +25,10 @@ from relayrl.loop import train_async, train_colocated
 from relayrl.trajectories import load_trajectories
 from relayrl.utils import read_jsonl
 
-TESTS = str(Path(__file__).parent)
-
-
-@pytest.fixture(autouse=True)
-def tests_on_path(monkeypatch):
-    monkeypatch.syspath_prepend(TESTS)
-
 
 @pytest.fixture
 def data(tmp_path):
-    path = tmp_path / "d.jsonl"
-    path.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
-                            for i in range(12)))
-    return str(path)
+    return write_sums(tmp_path / "d.jsonl", 12)
 
 
 def args_for(tiny_path, data, tmp_path, name, **extra):
@@ -189,11 +180,9 @@ def test_kill_9_at_random_moments_then_resume(tiny_path, tmp_path):
     """SIGKILL `relayrl train` at seeded random moments (after a random number of steps, plus a random part
     of a step), resume each time: one epoch of 24 prompts is trained exactly once, the steps have no gaps or
     duplicates, and the last checkpoint loads and equals an uninterrupted run's weights."""
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
-                            for i in range(24)))
+    data = write_sums(tmp_path / "d.jsonl", 24)
     rng = random.Random(0)
-    args = args_for(tiny_path, str(data), tmp_path, "kill", **{"run.steps": 12, "run.checkpoint_every": 1,
+    args = args_for(tiny_path, data, tmp_path, "kill", **{"run.steps": 12, "run.checkpoint_every": 1,
                                                                "run.keep_checkpoints": 2, "run.resume": "auto"})
     env = {**os.environ, "PYTHONPATH": TESTS}
     run_dir = tmp_path / "kill"

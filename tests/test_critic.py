@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 import yaml
-from test_loop import dataset, overrides, tests_on_path  # noqa: F401  (fixtures and the run helper)
+from test_loop import dataset, overrides  # noqa: F401  (fixtures and the run helper)
 from test_trainer import rollout
 
 from relayrl.build import build

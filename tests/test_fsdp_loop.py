@@ -4,19 +4,16 @@ one-process run's with the same seed: same batches, and FSDP's summed gradients 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import TESTS, write_sums
 
 from relayrl.models import load_model
 from relayrl.utils import read_jsonl
-
-TESTS = str(Path(__file__).parent)
 
 
 def run(tiny_path, data, out, name, *extra) -> subprocess.CompletedProcess:
@@ -31,9 +28,7 @@ def run(tiny_path, data, out, name, *extra) -> subprocess.CompletedProcess:
 
 
 def test_two_fsdp_ranks_train_like_one_process(tiny_path, tmp_path):
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
-                            for i in range(8)))
+    data = write_sums(tmp_path / "d.jsonl", 8)
     one = run(tiny_path, data, tmp_path, "one")
     two = run(tiny_path, data, tmp_path, "two", "train.engine=fsdp", "train.world_size=2")
     assert one.returncode == 0, one.stderr[-3000:]

@@ -1,12 +1,12 @@
 """End to end on the real tiny model: the CLI and the colocated loop, with real judge processes."""
 
-import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import TESTS, write_sums
 
 from relayrl.build import build
 from relayrl.cli import main
@@ -15,15 +15,10 @@ from relayrl.loop import train, train_colocated
 from relayrl.plot import plot_run
 from relayrl.utils import read_jsonl
 
-TESTS = str(Path(__file__).parent)
-
 
 @pytest.fixture
 def dataset(tmp_path):
-    path = tmp_path / "sums.jsonl"
-    path.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
-                            for i in range(12)))
-    return str(path)
+    return write_sums(tmp_path / "sums.jsonl", 12)
 
 
 def overrides(tiny_path, dataset, tmp_path, **extra):
@@ -35,10 +30,6 @@ def overrides(tiny_path, dataset, tmp_path, **extra):
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 
-
-@pytest.fixture(autouse=True)
-def tests_on_path(monkeypatch):
-    monkeypatch.syspath_prepend(TESTS)  # reward/agent modules named by path; judge workers inherit sys.path
 
 
 def test_two_training_steps_on_tiny_model(tiny_path, dataset, tmp_path):

@@ -1,7 +1,6 @@
 """Agents written against the real `openai` package become token-exact, trainable trajectories."""
 
 import asyncio
-import os
 
 import pytest
 
@@ -12,13 +11,6 @@ from relayrl.engine.local import LocalEngine
 from relayrl.models import eos_token_ids, load_model, load_tokenizer
 from relayrl.rollout import RolloutController
 from relayrl.sample import Sample
-
-TESTS = os.path.dirname(__file__)
-
-
-@pytest.fixture(autouse=True)
-def tests_on_path(monkeypatch):
-    monkeypatch.syspath_prepend(TESTS)
 
 
 @pytest.fixture(scope="module")

@@ -44,12 +44,6 @@ def parts(tiny_path):
     judge.close()
 
 
-@pytest.fixture(autouse=True)
-def tests_on_path(monkeypatch):
-    import os
-
-    monkeypatch.syspath_prepend(os.path.dirname(__file__))
-
 
 def run(agent, samples):
     async def go():

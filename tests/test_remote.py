@@ -6,13 +6,13 @@ servers."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 import time
 
 import pytest
 import torch
+from conftest import write_sums
 
 from relayrl.build import build
 from relayrl.config.loader import ConfigError
@@ -176,9 +176,7 @@ def test_remote_config_errors(tiny_path):
 
 
 def test_train_two_steps_on_launched_servers(tiny_path, tmp_path):
-    data = tmp_path / "sums.jsonl"
-    data.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
-                            for i in range(8)))
+    data = write_sums(tmp_path / "sums.jsonl", 8)
     cfg = load_run_config(None, [
         f"model.path={tiny_path}", f"data.train.source={data}", "data.batch_size=2", "data.group_size=2",
         "sampling.max_new_tokens=8", "run.steps=2", f"run.output_dir={tmp_path}", "run.name=remote",

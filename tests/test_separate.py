@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from test_async import batches, cfg_for, data, tests_on_path  # noqa: F401 - fixtures
+from test_async import batches, cfg_for, data  # noqa: F401 - fixtures
 
 from relayrl.build import build
 from relayrl.loop import train_async, train_colocated

@@ -247,24 +247,13 @@ class RemoteEngine:
         self._remove_old_weights(previous)
 
     def _write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> Path:
-        from safetensors.torch import save_file
-
-        from relayrl.models import _atomic_build
+        from relayrl.transport import save_weights_version
 
         key = (str(self.weights_dir.resolve()), version)
         with RemoteEngine._written_lock:
             path = RemoteEngine._written.get(key)
-            if path is not None and path.is_dir():
-                return path
-            tensors, seen = {}, set()
-            for name, t in named_tensors:
-                t = t.detach().to("cpu").contiguous()
-                ptr = t.untyped_storage().data_ptr()
-                tensors[name] = t.clone() if ptr in seen else t  # safetensors refuses shared storage
-                seen.add(ptr)
-            path = _atomic_build(self.weights_dir / f"v{version}",
-                                 lambda tmp: save_file(tensors, str(tmp / "model.safetensors")), force=True)
-            RemoteEngine._written[key] = path
+            if path is None or not path.is_dir():
+                path = RemoteEngine._written[key] = save_weights_version(self.weights_dir, named_tensors, version)
             return path
 
     def _remove_old_weights(self, previous: int) -> None:

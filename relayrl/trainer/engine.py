@@ -90,20 +90,25 @@ class TrainEngine:
         return mb_stats
 
     def _clip_and_step(self) -> dict[str, float]:
-        """Clip the accumulated gradients, step unless their norm is not finite, and clear them."""
-        stats: dict[str, float] = {}
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2: the norm over every rank's shard
-            grad_norm = grad_norm.full_tensor()
-        stats["grad_norm"] = float(grad_norm)
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            stats["skipped_nonfinite_step"] = 1.0
-        self.optimizer.zero_grad(set_to_none=True)
-        return stats
+        return clip_and_step(self.model, self.optimizer, self.grad_clip)
 
     def named_parameters(self):
         """Weights to relay to inference engines."""
         return ((name, p.detach()) for name, p in self.model.named_parameters())
+
+
+def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> dict[str, float]:
+    """Clip the accumulated gradients (grad_clip <= 0: measure only), step unless their norm is not finite
+    (one bad batch must not poison the weights), and clear them. Shared by the policy and the critic."""
+    stats: dict[str, float] = {}
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2: the norm over every rank's shard
+        grad_norm = grad_norm.full_tensor()
+    stats["grad_norm"] = float(grad_norm)
+    if torch.isfinite(grad_norm):
+        optimizer.step()
+    else:
+        stats["skipped_nonfinite_step"] = 1.0
+    optimizer.zero_grad(set_to_none=True)
+    return stats

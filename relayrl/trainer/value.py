@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from relayrl.trainer.algo import reduce_stats
+from relayrl.trainer.engine import clip_and_step
 from relayrl.trainer.packer import MicroBatch
 
 ValueLossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
@@ -81,14 +82,7 @@ class Critic:
             loss.backward()
             per_mb.append(stats)
         stats = reduce_stats(per_mb, mean=False)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf"))
-        stats["critic_grad_norm"] = float(grad_norm)
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            stats["critic_skipped_nonfinite_step"] = 1.0
-        self.optimizer.zero_grad(set_to_none=True)
+        stats.update({f"critic_{k}": v for k, v in clip_and_step(self.model, self.optimizer, self.grad_clip).items()})
         stats["critic_step_s"] = time.perf_counter() - t0
         return stats
 
