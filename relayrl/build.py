@@ -24,10 +24,11 @@ from relayrl.engine.remote import RemoteEngine
 from relayrl.env import Env
 from relayrl.evaluator import Evaluator
 from relayrl.judge import Judge
-from relayrl.launcher import ManagedServer, free_port, relayrl_server, vllm_server
+from relayrl.launcher import ManagedServer, free_port, make_server
 from relayrl.metrics import MetricsLogger
 from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path, save_pretrained_atomic
 from relayrl.producer import ProducerHandle
+from relayrl.ray_launch import ray_placement, rendezvous_host
 from relayrl.rollout import RolloutController
 from relayrl.scheduler import AsyncScheduler, SyncScheduler, group_filter
 from relayrl.trainer.controller import TrainController
@@ -94,9 +95,14 @@ class Components:
 
     def save_model(self, path: Path) -> Path:
         """Write the trained policy as a plain HF folder (loads with from_pretrained), atomically."""
+        from relayrl.trainer.lora import is_lora, merged_state_dict
+
+        model = self.train_ctl.engine.model
+        if is_lora(model):  # LoRA: the adapters merged into the base weights, no peft needed to load it
+            return save_pretrained_atomic(model.get_base_model(), self.tokenizer, path,
+                                          state_dict=merged_state_dict(model))
         full = getattr(self.train_ctl, "full_state_dict", None)  # FSDP: gather the shards (all ranks take part)
-        return save_pretrained_atomic(self.train_ctl.engine.model, self.tokenizer, path,
-                                      state_dict=full() if full else None)
+        return save_pretrained_atomic(model, self.tokenizer, path, state_dict=full() if full else None)
 
     def close(self) -> None:
         """Release everything, producer first (it may be using the rest), each part even if another fails."""
@@ -184,7 +190,8 @@ def _run_folder(cfg: Config, resume: bool) -> tuple[Path, Path | None]:
 def _build_trainer(cfg: Config) -> Components:
     """The trainer of separate placement; its producer process starts first so both load models at once."""
     run_dir, _ = _run_folder(cfg, resume=False)  # the config refuses checkpoints with separate placement
-    producer = ProducerHandle(cfg, run_dir, dist_address=f"127.0.0.1:{free_port()}")
+    host = rendezvous_host()
+    producer = ProducerHandle(cfg, run_dir, dist_address=f"{host}:{free_port(host)}")
     try:
         model_path = resolve_model_path(cfg.model.path)
         tokenizer = load_tokenizer(model_path)
@@ -255,21 +262,18 @@ def _build_with_judge(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judg
 
 
 def launch_servers(cfg: Config, model_path: str, run_dir: Path) -> list[ManagedServer]:
-    """Start engine.num_engines servers when engine.launch asks for them, and wait until all are healthy."""
+    """Start engine.num_engines servers when engine.launch asks for them, and wait until all are healthy.
+    Under `launcher=ray` each server runs in a Ray actor on its own bundle of the run's placement group."""
     e = cfg.engine
     if e.kind != "remote" or e.launch == "none":
         return []
+    placement = ray_placement()
     servers = []
     try:
         for i in range(e.num_engines):
-            log = run_dir / "servers" / f"{e.launch}-{i}.log"
-            if e.launch == "relayrl":
-                server = relayrl_server(model_path, log, dtype=e.dtype, max_batch_size=e.max_batch_size,
-                                        max_seq_len=e.max_seq_len, max_tokens_in_flight=e.max_tokens_in_flight,
-                                        api_key=e.api_key, seed=cfg.run.seed + i)
-            else:
-                server = vllm_server(e.vllm_python, model_path, log, dtype=e.dtype, max_model_len=e.max_seq_len,
-                                     api_key=e.api_key, seed=cfg.run.seed + i)
+            log, seed = run_dir / "servers" / f"{e.launch}-{i}.log", cfg.run.seed + i
+            server = (placement.server(i, e, model_path, log, seed) if placement
+                      else make_server(e, model_path, log, seed=seed))
             servers.append(server.start())
         for server in servers:  # they load their models in parallel
             server.wait_ready(e.launch_timeout)
@@ -291,8 +295,9 @@ def make_engines(cfg: Config, model_path: str, eos: list[int], run_dir: Path,
         return [LocalEngine(load_model(model_path, dtype=e.dtype), seed=cfg.run.seed + i, **kw)
                 for i in range(e.num_engines)]
     weights_dir = e.weights_dir or str(run_dir / "weights")
-    engines = [RemoteEngine(a, backend=e.backend, api_key=e.api_key, timeout=e.request_timeout, retries=e.retries,
-                            weights_dir=weights_dir) for a in (e.addresses or launched)]
+    engines = RemoteEngine.for_servers(e.addresses or launched, backend=e.backend, api_key=e.api_key,
+                                       timeout=e.request_timeout, retries=e.retries, weights_dir=weights_dir,
+                                       weight_sync=e.weight_sync, weight_sync_backend=e.weight_sync_backend)
     try:
         for engine in engines:
             engine.wait_ready(timeout=30.0)
@@ -326,9 +331,14 @@ def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainControl
         train_engine = FSDPEngine.from_pretrained(model_path, dtype=cfg.model.train_dtype,
                                                   mixed_precision=t.fsdp_mixed_precision, **optim_kw, **engine_kw)
     else:
-        train_engine = TrainEngine.from_pretrained(model_path, dtype=cfg.model.train_dtype, **optim_kw, **engine_kw)
+        train_engine = TrainEngine.from_pretrained(model_path, dtype=cfg.model.train_dtype, lora=cfg.model,
+                                                   **optim_kw, **engine_kw)
     ref_engine = None
-    if cfg.algo.kl_coef > 0:
+    if cfg.algo.kl_coef > 0 and cfg.model.lora_rank:  # the policy with its adapters off: no second copy
+        from relayrl.trainer.lora import BaseReference
+
+        ref_engine = BaseReference(train_engine)
+    elif cfg.algo.kl_coef > 0:
         ref_model = load_model(model_path, dtype=cfg.model.train_dtype).requires_grad_(False)
         ref_engine = TrainEngine(ref_model, **engine_kw)
     return TrainController(train_engine, cfg.algo, cfg.train, pad_id=pad_id,

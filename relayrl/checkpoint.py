@@ -11,6 +11,10 @@ A checkpoint is RUN_DIR/checkpoints/step_N/:
     config.yaml    the config that wrote it (a resume warns about training keys that changed)
     manifest.json  written last, with the size of every file above
 
+A sharded trainer (train.engine=fsdp) writes trainer_shards/ (every rank its shard of the policy and its
+optimizer) and a trainer.pt without the policy optimizer instead; relayrl.checkpoint_dist has the details,
+and the manifest records the world size.
+
 It is built in a hidden temp folder and renamed into place, so a crash leaves either no step_N or a
 complete one. A step_N without a manifest, or whose files do not match it, is incomplete: it is never
 resumed from. Older checkpoints are deleted (renamed away first, so a half-deleted one never looks
@@ -42,6 +46,7 @@ import yaml
 
 from relayrl.config import ConfigError, dump_yaml, to_dict
 from relayrl.scheduler import AsyncScheduler
+from relayrl.trainer.lora import is_lora
 from relayrl.utils import atomic_write_text, check_writable
 
 if TYPE_CHECKING:
@@ -91,6 +96,13 @@ def resume_target(cfg: Config) -> tuple[Path, Path | None]:
     """(run folder, checkpoint) for run.resume, found before any model loads. "auto": the latest complete
     checkpoint of output_dir/name, or none (start at step 0 in that folder); a run folder: its latest; a
     step_N folder: that one, if no newer complete checkpoint would be left behind in its run."""
+    run_dir, ckpt = _find_resume_target(cfg)
+    if ckpt is not None:
+        check_layout(cfg, ckpt)
+    return run_dir, ckpt
+
+
+def _find_resume_target(cfg: Config) -> tuple[Path, Path | None]:
     spec = cfg.run.resume
     if spec == "auto":
         run_dir = Path(cfg.run.output_dir) / cfg.run.name
@@ -111,6 +123,19 @@ def resume_target(cfg: Config) -> tuple[Path, Path | None]:
         raise ConfigError(f"{run_dir} has newer checkpoints ({', '.join(newer)}): resuming from {path.name} would "
                           "mix two histories in one run folder; delete them first", key="run.resume")
     return run_dir, path
+
+
+def check_layout(cfg: Config, ckpt: Path) -> None:
+    """Refuse, before any model loads, a checkpoint whose trainer layout the configured engine cannot read:
+    sharded checkpoints need train.engine=fsdp (any train.world_size: they reshard), one-process ones the
+    local engine."""
+    world = read_manifest(ckpt).get("world_size")
+    if world is not None and cfg.train.engine != "fsdp":
+        raise ConfigError(f"{ckpt} was written by a sharded trainer (train.engine=fsdp, world size {world}): "
+                          "resume it with train.engine=fsdp (any train.world_size)", key="train.engine")
+    if world is None and cfg.train.engine == "fsdp":
+        raise ConfigError(f"{ckpt} was written by one process (train.engine=local): resume it with "
+                          "train.engine=local", key="train.engine")
 
 
 def prepare_resume(run_dir: Path, ckpt: Path | None) -> None:
@@ -147,8 +172,8 @@ def save(c: Components, step: int) -> Path:
         with _producer_stopped(c):  # an async producer must not draw prompts while their state is taken
             data = _data_state(c)
             rng = _rng_state(c)
-        _write(c, tmp, data, rng)
-        _write_manifest(tmp, step, c.train_ctl.version)
+        extra = _write(c, tmp, data, rng)
+        _write_manifest(tmp, step, c.train_ctl.version, extra)
         _replace(tmp, target)
     except OSError as e:
         msg = f"checkpoint of step {step}: cannot write {e.filename or tmp or root}: {e.strerror or e}"
@@ -160,25 +185,32 @@ def save(c: Components, step: int) -> Path:
     return target
 
 
-def _write(c: Components, folder: Path, data: dict, rng: dict) -> None:
-    model = c.train_ctl.engine.model
-    model.save_pretrained(folder / "model")
-    c.tokenizer.save_pretrained(folder / "model")
-    torch.save(c.train_ctl.state_dict(), folder / "trainer.pt")
+def _write(c: Components, folder: Path, data: dict, rng: dict) -> dict:
+    """Write every file but the manifest; returns what the manifest adds (a sharded trainer's world size)."""
+    extra = {}
+    if getattr(c.train_ctl.engine, "sharded", False):
+        from relayrl.checkpoint_dist import write_trainer
+
+        extra = write_trainer(c, folder)  # every rank writes its shard; back here once all have
+    else:
+        c.save_model(folder / "model")  # a plain HF folder (LoRA: adapters merged); adapters go in trainer.pt
+        torch.save(c.train_ctl.state_dict(), folder / "trainer.pt")
     torch.save(data, folder / "data.pt")
     torch.save(rng, folder / "rng.pt")
     (folder / "logs.json").write_text(json.dumps(_log_sizes(c.run_dir)))
     dump_yaml(c.cfg, str(folder / "config.yaml"))
+    return extra
 
 
-def _write_manifest(folder: Path, step: int, version: int) -> None:
+def _write_manifest(folder: Path, step: int, version: int, extra: dict | None = None) -> None:
     """Flush every file to disk, then write the manifest: only then is the checkpoint complete."""
     files = {}
     for f in sorted(p for p in folder.rglob("*") if p.is_file()):
         with open(f, "rb+") as fh:
             os.fsync(fh.fileno())
         files[str(f.relative_to(folder))] = f.stat().st_size
-    manifest = {"format": FORMAT, "step": step, "version": version, "time": time.time(), "files": files}
+    manifest = {"format": FORMAT, "step": step, "version": version, "time": time.time(), **(extra or {}),
+                "files": files}
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
@@ -270,8 +302,14 @@ def restore(c: Components, ckpt: Path) -> int:
     changed = config_changes(c.cfg, ckpt)
     if changed:
         logger.warning("resuming with training settings changed since the checkpoint: %s", ", ".join(changed))
-    load_weights(c.train_ctl.engine.model, ckpt / "model")
-    c.train_ctl.load_state_dict(torch.load(ckpt / "trainer.pt", weights_only=True))
+    if "world_size" in manifest:  # sharded: every rank loads its slice (relayrl.checkpoint_dist)
+        from relayrl.checkpoint_dist import read_trainer
+
+        read_trainer(c, ckpt, manifest)
+    else:
+        if not is_lora(c.train_ctl.engine.model):  # LoRA: the base is model.path's; trainer.pt has the adapters
+            load_weights(c.train_ctl.engine.model, ckpt / "model")
+        c.train_ctl.load_state_dict(torch.load(ckpt / "trainer.pt", weights_only=True))
     c.relay_weights()
     data = torch.load(ckpt / "data.pt", weights_only=True)
     c.data.load_state_dict(data["data"])

@@ -23,10 +23,13 @@ def _train(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
-    if cfg.train.engine == "fsdp" and "RANK" not in os.environ:
+    if cfg.launcher == "ray":  # every process of the run in a Ray actor, trainer ranks included
+        from relayrl.ray_launch import train_on_ray as train
+    elif cfg.train.engine == "fsdp" and "RANK" not in os.environ:
         return _torchrun(cfg.train.world_size, ["train", *([f"--config={args.config}"] if args.config else []),
                                                 *args.overrides])
-    from relayrl.loop import train
+    else:
+        from relayrl.loop import train
 
     final = train(cfg)
     if final:

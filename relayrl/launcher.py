@@ -108,35 +108,46 @@ def _stop_all() -> None:
         server.stop(timeout=5.0)
 
 
+def make_server(e, model: str, log_path: Path, *, seed: int, host: str = "127.0.0.1") -> ManagedServer:
+    """The server `engine.launch` asks for (`e` is the run's EngineConfig), not started yet."""
+    if e.launch == "relayrl":
+        return relayrl_server(model, log_path, dtype=e.dtype, max_batch_size=e.max_batch_size,
+                              max_seq_len=e.max_seq_len, max_tokens_in_flight=e.max_tokens_in_flight,
+                              api_key=e.api_key, seed=seed, host=host)
+    return vllm_server(e.vllm_python, model, log_path, dtype=e.dtype, max_model_len=e.max_seq_len,
+                       api_key=e.api_key, seed=seed, host=host)
+
+
 def relayrl_server(model: str, log_path: Path, *, dtype: str = "bfloat16", max_batch_size: int = 64,
                    max_seq_len: int | None = None, max_tokens_in_flight: int | None = None,
-                   api_key: str | None = None, seed: int = 0) -> ManagedServer:
+                   api_key: str | None = None, seed: int = 0, host: str = "127.0.0.1") -> ManagedServer:
     """`relayrl serve` with this interpreter (so it runs the same relayrl as the trainer)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "relayrl.cli", "serve", "--model", model, "--port", str(port), "--dtype", dtype,
-           "--max-batch-size", str(max_batch_size), "--seed", str(seed), "--log-level", "warning"]
+    port = free_port(host)
+    cmd = [sys.executable, "-m", "relayrl.cli", "serve", "--model", model, "--host", host, "--port", str(port),
+           "--dtype", dtype, "--max-batch-size", str(max_batch_size), "--seed", str(seed), "--log-level", "warning"]
     if max_seq_len:
         cmd += ["--max-seq-len", str(max_seq_len)]
     if max_tokens_in_flight:
         cmd += ["--max-tokens-in-flight", str(max_tokens_in_flight)]
     if api_key:
         cmd += ["--api-key", api_key]
-    return ManagedServer(cmd, port, log_path, name="relayrl serve")
+    return ManagedServer(cmd, port, log_path, host=host, name="relayrl serve")
 
 
 def vllm_server(python: str, model: str, log_path: Path, *, dtype: str = "bfloat16",
-                max_model_len: int | None = None, api_key: str | None = None, seed: int = 0) -> ManagedServer:
+                max_model_len: int | None = None, api_key: str | None = None, seed: int = 0,
+                host: str = "127.0.0.1") -> ManagedServer:
     """vLLM's OpenAI server run by the interpreter of its own virtualenv (vLLM pins its own torch and
     transformers, so it cannot share relayrl's environment)."""
     if not Path(python).exists():
         raise FileNotFoundError(f"engine.vllm_python: {python} does not exist (create it with scripts/setup_vllm.sh)")
-    port = free_port()
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+    port = free_port(host)
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
            "--port", str(port), "--dtype", dtype, "--seed", str(seed), "--enforce-eager"]
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
     if api_key:
         cmd += ["--api-key", api_key]
-    return ManagedServer(cmd, port, log_path, name="vllm server",
+    return ManagedServer(cmd, port, log_path, host=host, name="vllm server",
                          env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
                               "VLLM_SERVER_DEV_MODE": "1"})  # dev routes: weight reloads, pause, resume

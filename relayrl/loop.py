@@ -104,15 +104,20 @@ def _train_data_parallel(cfg: Config) -> dict[str, float]:
     the other ranks follow its trainer calls (relayrl/trainer/leader.py)."""
     from relayrl.build import build_follower
     from relayrl.trainer.fsdp import init_distributed, shutdown_distributed
-    from relayrl.trainer.leader import LeaderController, follow
+    from relayrl.trainer.leader import follow, lead, stop_followers
 
     rank, _ = init_distributed()
+    if rank:  # an error ends this process without the final barrier, which rank 0 may never reach (it may fail
+        follow(build_follower(cfg))  # in the same command); torchrun then stops the other ranks
+        shutdown_distributed()
+        return {}
     try:
-        if rank:
-            follow(build_follower(cfg))
-            return {}
-        c = build(cfg)
-        c.train_ctl = LeaderController(c.train_ctl)
+        try:
+            c = build(cfg)  # a resume leads the trainer here already: it loads the shards on every rank
+        except BaseException:
+            stop_followers()  # they wait for rank 0's first command (or have failed in it and exited)
+            raise
+        c.train_ctl = lead(c.train_ctl)
         print(f"run folder: {c.run_dir}")
         try:
             return train_async(c) if cfg.scheduler.mode == "async" else train_colocated(c)

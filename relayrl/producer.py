@@ -25,6 +25,7 @@ from pathlib import Path
 
 from relayrl.config import from_dict, to_dict
 from relayrl.config.schema import Config
+from relayrl.ray_launch import ray_placement
 from relayrl.sample import Sample
 from relayrl.scheduler.asynchronous import take_fresh
 from relayrl.transport import DiskReceiver, DiskSender, DistReceiver, DistSender
@@ -34,14 +35,17 @@ class ProducerHandle:
     """The trainer's side of a producer process."""
 
     def __init__(self, cfg: Config, run_dir: Path, dist_address: str | None = None):
-        ctx = mp.get_context("spawn")
-        self.cfg, self.to_trainer, self.from_trainer = cfg, ctx.Queue(), ctx.Queue()
-        transport = cfg.scheduler.transport
-        self.weights_root = run_dir / "weights"
-        self.proc = ctx.Process(target=producer_main, name="relayrl-producer",  # not daemon: it has children
-                                args=(to_dict(cfg), str(run_dir), transport, dist_address, os.getpid(),
-                                      self.to_trainer, self.from_trainer))
-        self.proc.start()
+        self.cfg, self.weights_root = cfg, run_dir / "weights"
+        args = (to_dict(cfg), str(run_dir), cfg.scheduler.transport, dist_address)
+        placement = ray_placement()
+        if placement is not None:  # launcher=ray: an actor on the producer's bundle; Ray ties its life to ours
+            self.proc, self.to_trainer, self.from_trainer = placement.producer((*args, None))
+        else:
+            ctx = mp.get_context("spawn")
+            self.to_trainer, self.from_trainer = ctx.Queue(), ctx.Queue()
+            self.proc = ctx.Process(target=producer_main, name="relayrl-producer",  # not daemon: it has children
+                                    args=(*args, os.getpid(), self.to_trainer, self.from_trainer))
+            self.proc.start()
         self.dist_address = dist_address
         self.sender: DiskSender | DistSender | None = None  # made at the first send: a DistSender's rendezvous
         # waits for the producer's receiver, which exists only once the producer has built its engines
@@ -103,11 +107,12 @@ class ProducerHandle:
             self.proc.join(5)
 
 
-def producer_main(cfg_dict: dict, run_dir: str, transport: str, dist_address: str | None, trainer_pid: int,
+def producer_main(cfg_dict: dict, run_dir: str, transport: str, dist_address: str | None, trainer_pid: int | None,
                   to_trainer, from_trainer) -> None:
-    """Entry point of the producer process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with(trainer_pid)
+    """Entry point of the producer process (trainer_pid None: a Ray actor, whose life Ray ties to the trainer's)."""
+    if trainer_pid is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _exit_with(trainer_pid)
     c = receiver = None
     try:
         import torch
@@ -138,8 +143,11 @@ def _receiver(c, transport: str, root: Path, dist_address: str | None):
         c.env.notify_version()
 
     if transport == "dist":
-        return DistReceiver(dist_address, c.rollout_ctl.engines[0].model.named_parameters(), apply,
-                            dtype=_wire_dtype(c.cfg))
+        from relayrl.trainer.lora import adapter_template
+
+        model = c.rollout_ctl.engines[0].model  # LoRA: the trainer broadcasts only adapters, shaped from the config
+        template = adapter_template(model, c.cfg.model) if c.cfg.model.lora_rank else model.named_parameters()
+        return DistReceiver(dist_address, template, apply, dtype=_wire_dtype(c.cfg))
     return DiskReceiver(root, apply)
 
 

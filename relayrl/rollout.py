@@ -12,6 +12,7 @@ in-flight generation on a weight update, so no sequence mixes policies.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -95,9 +96,13 @@ class RolloutController:
                 e.update_weights(named_tensors(), version)
                 if self.partial_rollout == "requeue":
                     e.abort()  # their generations restart from scratch under the new weights
-        finally:
-            for e in self.engines:
-                e.resume()
+        except BaseException:
+            for e in self.engines:  # best effort: the update's own error (say, a dead server) is the one to see
+                with contextlib.suppress(Exception):
+                    e.resume()
+            raise
+        for e in self.engines:
+            e.resume()
         self.stats["weight_updates"] += 1
         self.stats["weight_update_s"] += time.perf_counter() - t0
 

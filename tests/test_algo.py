@@ -84,6 +84,14 @@ def test_token_weights():
         token_weights([2], "seq_mean_token_sum_norm")
 
 
+def test_token_weights_leave_filtered_samples_out_of_every_mean():
+    keep = [True, False, True]
+    close(token_weights([2, 4, 3], "token_mean", keep=keep), [0.2] * 2 + [0.0] * 4 + [0.2] * 3)
+    close(token_weights([2, 4, 3], "seq_mean_token_mean", keep=keep), [1 / 4] * 2 + [0.0] * 4 + [1 / 6] * 3)
+    close(token_weights([2, 4, 3], "seq_mean_token_sum_norm", 10, keep), [1 / 20] * 2 + [0.0] * 4 + [1 / 20] * 3)
+    close(token_weights([2, 3], "token_mean", keep=[False, False]), [0.0] * 5)
+
+
 LOGP = [0.1, 0.4, -0.4, 0.5]  # log-ratios new - old, old logp = 0
 ADV = [1.0, 1.0, -1.0, -1.0]
 
@@ -140,7 +148,7 @@ def test_on_policy_ratio_is_one_and_gradient_is_reinforce():
                      stat_weight=0.5)
     loss, stats = policy_loss(logp, None, inp, clip_low=0.2, clip_high=0.2)
     loss.backward()
-    assert float(loss) == pytest.approx(-(2.0 - 1.0) / 2)
+    assert float(loss.detach()) == pytest.approx(-(2.0 - 1.0) / 2)
     close(logp.grad, [-1.0, 0.5])  # -A * w
     assert stats["clip_frac"] == 0.0
 

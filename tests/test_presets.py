@@ -257,6 +257,21 @@ def test_dapo_overlong_penalty_and_clip_higher(tiny_path):
     assert stats["clip_frac"] == pytest.approx(5 / 12)
 
 
+def test_dapo_overlong_filter_drops_truncated_samples_from_the_loss(tiny_path):
+    ctl = controller(tiny_path, "dapo", "algo.overlong_buffer=0", "algo.overlong_filter=true")
+    batch = ctl.packer.pack(samples())
+    batch.samples[2].finish_reason = "length"  # s2 (4 tokens) hit max_new_tokens
+    batch.per_token["old_logp"] = [torch.zeros(n) for n in LENGTHS]
+    ctl.compute_advantages(batch)  # the group statistics still see s2's reward
+    adv = [float(a[0]) for a in batch.per_token["advantages"]]
+    new = [[0.0] * n for n in LENGTHS]
+    value, _ = loss(ctl, batch, new)
+    kept = [i for i in range(5) if i != 2]  # token mean over the 8 tokens of the kept samples only
+    assert value == pytest.approx(-sum(LENGTHS[i] * adv[i] for i in kept) / 8, abs=1e-6)
+    close(batch.per_token["weights"][2], [0.0] * 4)
+    assert ctl._step_stats["train/overlong_filtered_frac"] == pytest.approx(1 / 5)
+
+
 def test_ppo_gae_advantages_and_returns(tiny_path):
     ctl = controller(tiny_path, "ppo")
     assert ctl.critic is not None  # the controller builds its critic from the policy's model path

@@ -75,10 +75,22 @@ class ModelConfig:
     train_dtype: Literal["float32", "bfloat16"] = "float32"
     autocast_bf16: bool = False  # bf16 autocast for trainer forward/backward (fp32 master weights)
     gradient_checkpointing: bool = False
+    # LoRA (peft): train low-rank adapters only; only they travel to the engines (relayrl/trainer/lora.py)
+    lora_rank: int = 0  # 0: off (full-parameter training)
+    lora_alpha: float = 16.0  # the adapter's scaling is lora_alpha / lora_rank
+    lora_dropout: float = 0.0
+    # linear layers to adapt, by name or name suffix (checked against the model when it loads)
+    lora_target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
     def validate(self) -> None:
         from relayrl.models import MODEL_ALIASES
 
+        check(self.lora_rank >= 0, "lora_rank", "must be >= 0 (0: LoRA off)")
+        check(self.lora_alpha > 0, "lora_alpha", "must be > 0")
+        check(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
+        check(self.lora_rank == 0 or (bool(self.lora_target_modules) and all(self.lora_target_modules)),
+              "lora_target_modules", "must name at least one linear layer (e.g. q_proj) when lora_rank > 0")
         if self.path in MODEL_ALIASES:
             return
         p = Path(self.path).expanduser()
@@ -107,6 +119,10 @@ class EngineConfig:
     request_timeout: float = 600.0  # seconds per generation request
     retries: int = 3  # per request, with exponential backoff, before EngineUnavailable
     launch_timeout: float = 300.0  # seconds a launched server may take to become healthy
+    # how new weights reach remote servers: disk (a safetensors folder in weights_dir, which they must be able
+    # to read) or distributed (broadcast over a torch process group, trainer rank 0; SGLang's protocol)
+    weight_sync: Literal["disk", "distributed"] = "disk"
+    weight_sync_backend: Literal["auto", "nccl", "gloo"] = "auto"  # distributed: auto = nccl with CUDA, else gloo
 
     def validate(self) -> None:
         check(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")
@@ -121,6 +137,10 @@ class EngineConfig:
             check(self.launch != "relayrl" or self.backend == "sglang", "backend",
                   "launch=relayrl serves the sglang-native API: set backend=sglang")
             check(self.launch != "vllm" or self.backend == "vllm", "backend", "launch=vllm needs backend=vllm")
+            check(self.weight_sync == "disk" or self.backend == "sglang", "weight_sync",
+                  "distributed needs backend=sglang (SGLang's broadcast routes, also served by relayrl serve): "
+                  "vLLM's weight-transfer routes use their own NCCL rendezvous, which relayrl does not speak; "
+                  "use weight_sync=disk with vLLM")
             for a in self.addresses:
                 try:
                     check_address(a)
@@ -128,6 +148,8 @@ class EngineConfig:
                     check(False, "addresses", str(e))
         check(self.max_tokens_in_flight is None or self.max_tokens_in_flight >= 1, "max_tokens_in_flight",
               "must be >= 1")
+        check(self.weight_sync == "disk" or self.kind == "remote", "weight_sync",
+              "distributed sends weights to inference servers: it needs kind=remote")
 
 
 @dataclass
@@ -237,6 +259,7 @@ class AlgoConfig:
     reward_clip: float | None = None
     overlong_buffer: int = 0  # DAPO: linear penalty over the last N tokens before max_new_tokens (0: off)
     overlong_penalty: float = 1.0  # the penalty at max_new_tokens
+    overlong_filter: bool = False  # DAPO: truncated samples (finish reason "length") get no loss at all
     # policy loss
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's geometric-mean sequence ratio
@@ -344,7 +367,35 @@ class RunConfig:
 
 
 @dataclass
+class RayConfig:
+    """`launcher=ray`: where the run's processes go (docs/ray.md). Every process is a Ray actor in one placement
+    group: a bundle per trainer rank (train.world_size), per launched server (engine.launch, engine.num_engines)
+    and, with scheduler.placement=separate, one for the producer."""
+
+    address: str | None = None  # None: start a local Ray cluster for this run; "auto" or HOST:PORT: join one
+    num_cpus: int | None = None  # the local cluster's CPUs (default: all of this machine's)
+    num_gpus: int | None = None  # the local cluster's GPUs (default: all)
+    trainer_cpus: float = 1.0  # per trainer rank
+    trainer_gpus: float = 0.0
+    rollout_cpus: float = 1.0  # per launched server, and for the producer
+    rollout_gpus: float = 0.0
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # how bundles spread over nodes
+    server_host: str = "127.0.0.1"  # launched servers bind here; "node": the IP of the node they run on
+    placement_timeout: float = 120.0  # seconds the cluster may take to find room for every bundle
+    stop_grace: float = 30.0  # seconds a stopped run gets to clean up before its actors are killed
+
+    def validate(self) -> None:
+        check(self.trainer_cpus > 0 or self.trainer_gpus > 0, "trainer_cpus", "a trainer rank needs CPUs or GPUs")
+        check(self.rollout_cpus > 0 or self.rollout_gpus > 0, "rollout_cpus", "a rollout bundle needs CPUs or GPUs")
+        check(min(self.trainer_cpus, self.trainer_gpus, self.rollout_cpus, self.rollout_gpus) >= 0, "trainer_cpus",
+              "resources must be >= 0")
+        check(self.num_cpus is None or self.num_cpus >= 1, "num_cpus", "must be >= 1")
+        check(self.placement_timeout > 0, "placement_timeout", "must be > 0")
+
+
+@dataclass
 class Config:
+    launcher: Literal["local", "ray"] = "local"  # ray: every process of the run is a Ray actor (see RayConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -356,6 +407,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
 
     def validate(self) -> None:
         a = self.algo
@@ -369,12 +421,21 @@ class Config:
         if self.train.engine == "fsdp":
             check(self.scheduler.placement == "colocated", "scheduler.placement",
                   "train.engine=fsdp runs with colocated placement (sync or async) for now")
-            check(self.run.checkpoint_every == 0 and not self.run.resume, "run.checkpoint_every",
-                  "checkpoints of sharded (train.engine=fsdp) trainers are not supported yet")
         if self.scheduler.placement == "separate":  # the producer process holds the prompt position
+            check(self.scheduler.transport == "disk" or self.engine.kind == "local", "scheduler.transport",
+                  "transport=dist broadcasts into the producer's own engines (engine.kind=local); remote engines "
+                  "get weights from disk: use scheduler.transport=disk")
             check(self.run.checkpoint_every == 0, "run.checkpoint_every",
                   "checkpoints are not supported with scheduler.placement=separate yet (use colocated)")
             check(not self.run.resume, "run.resume", "resume is not supported with scheduler.placement=separate yet")
+        if self.model.lora_rank:
+            self._check_lora()
+
+    def _check_lora(self) -> None:
+        """What LoRA (model.lora_rank > 0) does not support yet, refused before anything loads."""
+        check(self.train.engine == "local", "train.engine", "LoRA (model.lora_rank > 0) needs train.engine=local")
+        check(self.engine.kind == "local", "engine.kind", "LoRA (model.lora_rank > 0) relays adapters that only "
+              "local engines merge: use engine.kind=local (or lora_rank=0 for remote servers)")
 
     @property
     def run_dir(self) -> Path:

@@ -10,6 +10,7 @@ Weight updates and pauses take effect between steps (at a token boundary): `upda
 the step lock, so no forward ever mixes two policies, and every token is stamped with the version
 of the weights that sampled it. Running sequences then continue with the new weights (partial
 rollout); with kv_on_update="recompute" their KV cache is first rebuilt under the new weights.
+LoRA adapters (relayrl.trainer.lora) arrive the same way and are merged into a copy of the base weights.
 
 A finished request that names a trajectory (`rid`) leaves its KV cache parked; the trajectory's next
 turn (a prompt that extends the parked tokens) reuses it and prefills only the new tokens.
@@ -30,6 +31,7 @@ import torch
 from relayrl.engine.base import GenOutput, SamplingParams
 from relayrl.engine.kv_cache import SlotKVCache
 from relayrl.engine.sampling import sample_tokens
+from relayrl.trainer.lora import is_adapter_name, merge_into
 
 
 @dataclass
@@ -73,6 +75,7 @@ class LocalEngine:
         self.cache = SlotKVCache(cfg.num_hidden_layers, kv_heads, head_dim, next(model.parameters()).dtype)
         self._params = dict(model.named_parameters())
         self._state = model.state_dict(keep_vars=True)  # also holds tied aliases (lm_head.weight)
+        self._lora_base: dict[str, torch.Tensor] = {}  # adapted weights before their first LoRA merge
         self._generator = torch.Generator().manual_seed(seed)
         self.max_tokens_in_flight, self.kv_on_update = max_tokens_in_flight, kv_on_update
         self._parked: OrderedDict[str, tuple[list[int], list[torch.Tensor]]] = OrderedDict()
@@ -127,12 +130,22 @@ class LocalEngine:
         return [f.result() for f in futures]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy new weights in place between two decode steps and stamp later tokens with `version`."""
+        """Copy new weights in place between two decode steps and stamp later tokens with `version`.
+
+        LoRA adapter tensors (named `*.lora_A|lora_B|lora_scaling`) are merged into the base weights of their
+        layers instead; full weights sent for a layer become its new base.
+        """
         with self._step_lock, torch.no_grad():
+            adapters = {}
             for name, tensor in named_tensors:
+                if is_adapter_name(name):
+                    adapters[name] = tensor
+                    continue
                 if name not in self._state:
                     raise KeyError(f"engine model has no parameter {name!r}")
                 self._state[name].copy_(tensor)
+                self._lora_base.pop(name, None)
+            merge_into(self._state, adapters, self._lora_base)
             self._version = version
             self._parked.clear()  # parked KV was computed by the old weights
             if self.kv_on_update == "recompute":

@@ -14,6 +14,11 @@ await a future (as with LocalEngine's worker thread), so an engine built on one 
 `close()` closes every connection on the loop that opened it. Cancelling an awaiting task cancels the HTTP
 request, which makes `relayrl serve` drop the generation.
 
+Weights reach the server from disk (`weight_sync="disk"`: a versioned safetensors folder, then
+/update_weights_from_disk) or by broadcast (`"distributed"`, sglang dialect only: SGLang's
+/init_weights_update_group + /update_weights_from_distributed over a torch process group in which the
+trainer is rank 0; `relayrl.weight_group.DistributedSync`, shared by the engines of one run).
+
 Failures: connection errors, timeouts and HTTP 5xx are retried with exponential backoff; 4xx raise at once with
 the server's message (`RemoteRequestError`); when retries run out `EngineUnavailable` names the address and the
 last error. A dead server therefore costs a few connect attempts, never a hang.
@@ -36,6 +41,7 @@ import httpx
 import torch
 
 from relayrl.engine.base import GenOutput, SamplingParams
+from relayrl.weight_group import BACKENDS, DistributedSync
 
 _RETRYABLE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 _CONTROL_TIMEOUT = 30.0  # pause / abort / health: short calls that must not hang a trainer step
@@ -76,11 +82,13 @@ class RemoteEngine:
 
     def __init__(self, address: str, *, backend: str = "sglang", api_key: str | None = None,
                  model: str | None = None, timeout: float = 600.0, connect_timeout: float = 5.0, retries: int = 3,
-                 backoff: float = 0.5, weights_dir: str | None = None):
+                 backoff: float = 0.5, weights_dir: str | None = None, weight_sync: str = "disk",
+                 weight_sync_backend: str = "auto", weight_group: DistributedSync | None = None):
         if backend not in ("sglang", "vllm"):
             raise ValueError(f"backend must be 'sglang' or 'vllm', got {backend!r}")
         if retries < 0 or timeout <= 0 or connect_timeout <= 0:
             raise ValueError("retries must be >= 0 and timeouts > 0")
+        _check_weight_sync(backend, weight_sync, weight_sync_backend)
         self.address, self.backend, self.model = check_address(address), backend, model
         self.timeout, self.connect_timeout, self.retries, self.backoff = timeout, connect_timeout, retries, backoff
         self.weights_dir = Path(weights_dir) if weights_dir else None
@@ -92,6 +100,19 @@ class RemoteEngine:
         self._lock = threading.Lock()
         self._closed = False
         self.stats = {"requests": 0, "retries": 0, "generated_tokens": 0}
+        self.weight_group: DistributedSync | None = None
+        if weight_sync == "distributed":  # alone, the engine gets a group of its own (the trainer and its server)
+            self.weight_group = weight_group or DistributedSync(weight_sync_backend, timeout=timeout)
+            self.weight_group.attach(self)
+
+    @classmethod
+    def for_servers(cls, addresses: Iterable[str], **kwargs: Any) -> list[RemoteEngine]:
+        """One engine per server address. With weight_sync="distributed" they share one DistributedSync, so
+        one broadcast group spans the trainer and every server and each tensor is sent once for all of them."""
+        shared = None
+        if kwargs.get("weight_sync") == "distributed":  # (the engines check the other settings)
+            shared = DistributedSync(kwargs.get("weight_sync_backend", "auto"), timeout=kwargs.get("timeout", 600.0))
+        return [cls(a, weight_group=shared, **kwargs) for a in addresses]
 
     def __repr__(self) -> str:
         return f"RemoteEngine({self.address!r}, backend={self.backend!r})"
@@ -140,12 +161,12 @@ class RemoteEngine:
         return self._submit(coro).result()
 
     async def _request(self, method: str, path: str, body: dict | None = None, *,
-                       timeout: float | None = None) -> Any:
+                       timeout: float | None = None, retries: int | None = None) -> Any:
         """One call with retries (see the module docstring); returns the decoded JSON (None if empty)."""
         client = self._http()
         t = httpx.Timeout(timeout or self.timeout, connect=self.connect_timeout)
-        last = ""
-        for attempt in range(self.retries + 1):
+        last, retries = "", self.retries if retries is None else retries
+        for attempt in range(retries + 1):
             if attempt:
                 self.stats["retries"] += 1
                 await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
@@ -161,7 +182,7 @@ class RemoteEngine:
                 raise RemoteRequestError(f"{self.address}{path}: HTTP {r.status_code}: {_message(r)}", r.status_code)
             return r.json() if r.content else None
         raise EngineUnavailable(f"engine server {self.address} unavailable ({method} {path}, "
-                                f"{self.retries + 1} attempts): {last}")
+                                f"{retries + 1} attempts): {last}")
 
     # ---- generation ---------------------------------------------------------------------------
     @property
@@ -238,7 +259,12 @@ class RemoteEngine:
         Called from the trainer thread. A version names one set of weights: engines of one run share a
         weights_dir, so the first engine to get a version writes it and the others load the same folder.
         The folder must be readable by the server (same machine, or a shared filesystem).
+        With weight_sync="distributed" the weights are broadcast instead (see `DistributedSync`).
         """
+        if self.weight_group is not None:
+            self.weight_group.update(self, named_tensors, version)
+            self._version = version
+            return
         if self.weights_dir is None:
             raise ValueError(f"{self!r}: update_weights needs weights_dir (a folder the server can read)")
         previous = self._version
@@ -300,6 +326,17 @@ class RemoteEngine:
             answer = self._call(self._request("GET", "/get_weight_version", timeout=_CONTROL_TIMEOUT)) or {}
             self._version = _as_int(answer.get("weight_version"), self._version)
         return self._version
+
+    def post_async(self, path: str, body: dict[str, Any], *, timeout: float) -> concurrent.futures.Future:
+        """POST once (no retries: a repeated weight transfer would wait for a broadcast that never comes) on
+        the I/O loop; the future fails with RemoteRequestError when the server answers success=false."""
+        async def post() -> Any:
+            answer = await self._request("POST", path, body, timeout=timeout, retries=0)
+            if not (answer or {}).get("success", False):
+                raise RemoteRequestError(f"{self.address}{path}: {(answer or {}).get('message')}")
+            return answer
+
+        return self._submit(post())
 
     # ---- control ------------------------------------------------------------------------------
     def _control(self, path: str, body: dict | None = None) -> Any:
@@ -369,7 +406,10 @@ class RemoteEngine:
             time.sleep(interval)
 
     def close(self) -> None:
-        """Close the connections (on the loop that opened them) and stop the I/O thread; idempotent."""
+        """Close the connections (on the loop that opened them) and stop the I/O thread; idempotent. The first
+        member of a weight group to close destroys the group (on every server, while their engines are open)."""
+        if self.weight_group is not None:
+            self.weight_group.close()
         with self._lock:
             loop, self._loop, self._closed = self._loop, None, True
         if loop is None:
@@ -388,6 +428,20 @@ class RemoteEngine:
         loop.call_soon_threadsafe(loop.stop)
         self._thread.join(timeout=10)
         loop.close()
+
+
+def _check_weight_sync(backend: str, weight_sync: str, weight_sync_backend: str) -> None:
+    if weight_sync not in ("disk", "distributed"):
+        raise ValueError(f"weight_sync must be 'disk' or 'distributed', got {weight_sync!r}")
+    if weight_sync_backend not in ("auto", *BACKENDS):
+        raise ValueError(f"weight_sync_backend must be auto, gloo or nccl, got {weight_sync_backend!r}")
+    if weight_sync == "distributed" and backend != "sglang":
+        raise ValueError(VLLM_DISTRIBUTED)
+
+
+VLLM_DISTRIBUTED = ("engine.weight_sync=distributed needs backend=sglang: vLLM's weight-transfer routes "
+                    "(/init_weight_transfer_engine, /update_weights, ...) use their own NCCL-only rendezvous, "
+                    "which relayrl does not speak; use engine.weight_sync=disk with vLLM")
 
 
 def _sglang_sampling(p: SamplingParams) -> dict[str, Any]:

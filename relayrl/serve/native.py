@@ -7,7 +7,9 @@ follow SGLang's shapes (`input_ids` + `sampling_params` in; `text`, `output_ids`
 
 Routes: POST /generate, /update_weights_from_disk, /pause_generation, /continue_generation, /abort_request,
 /flush_cache; GET /health (open even with an API key), /health_generate, /get_model_info,
-/get_weight_version, /get_load. A batch (`input_ids` as a list of lists) or `sampling_params.n > 1` is
+/get_weight_version, /get_load; and the weight-broadcast routes of `relayrl.serve.weights_dist`
+(/init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group). A batch
+(`input_ids` as a list of lists) or `sampling_params.n > 1` is
 answered with a list, prompt-major; a seeded group of n gets seeds seed, seed+1, ... so its samples differ
 yet repeat exactly. Only requests that name a `rid` can be aborted by it (an unnamed request gets a fresh
 id in meta_info.id) and keep their KV cache parked for the trajectory's next turn.
@@ -355,8 +357,10 @@ def native_router(state: ServerState) -> APIRouter:
         await asyncio.to_thread(engine.flush_cache)
         return {"success": True, "message": "cache flushed"}
 
+    from relayrl.serve.weights_dist import weight_routes  # imports this module: loaded here, not at the top
+
     for fn in (generate, update_weights_from_disk, pause_generation, continue_generation, abort_request,
-               flush_cache):
+               flush_cache, *weight_routes(state)):
         router.add_api_route(f"/{fn.__name__}", _json_body(fn), methods=["POST"], name=fn.__name__)
 
     async def get_model_info() -> dict[str, Any]:

@@ -152,7 +152,8 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
 
 
 # ---- token weights ------------------------------------------------------------------------------
-def token_weights(lengths: list[int], agg: str, norm_len: int | None = None) -> torch.Tensor:
+def token_weights(lengths: list[int], agg: str, norm_len: int | None = None,
+                  keep: list[bool] | None = None) -> torch.Tensor:
     """Weight of each trained token such that loss = sum(weight * per_token_loss) over the batch.
 
     lengths: number of trained tokens per sample, in batch order; returns a flat tensor of
@@ -160,20 +161,25 @@ def token_weights(lengths: list[int], agg: str, norm_len: int | None = None) -> 
     agg: "token_mean" -- every token of the batch counts equally (DAPO, AReaL);
          "seq_mean_token_mean" -- mean over each sequence, then over sequences (original GRPO);
          "seq_mean_token_sum_norm" -- sum over each sequence / norm_len, mean over sequences (Dr.GRPO).
+    keep: samples left out get weight 0 and do not count in the means (DAPO's overlong filtering), so the
+        loss is the one of the kept samples alone.
     """
-    n_seq = len(lengths)
-    total = sum(lengths)
+    if agg not in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
+        raise ValueError(f"unknown loss aggregation {agg!r}")
+    if agg == "seq_mean_token_sum_norm" and not norm_len:
+        raise ValueError("seq_mean_token_sum_norm needs norm_len (e.g. max_new_tokens)")
+    keep = [True] * len(lengths) if keep is None else keep
+    kept = [n for n, k in zip(lengths, keep) if k]
+    n_seq, total = len(kept), sum(kept)
     if total == 0:
-        return torch.zeros(0)
-    if agg == "token_mean":
-        return torch.full((total,), 1.0 / total)
-    if agg == "seq_mean_token_mean":
-        return torch.cat([torch.full((n,), 1.0 / (n_seq * n)) for n in lengths if n > 0])
-    if agg == "seq_mean_token_sum_norm":
-        if not norm_len:
-            raise ValueError("seq_mean_token_sum_norm needs norm_len (e.g. max_new_tokens)")
-        return torch.full((total,), 1.0 / (n_seq * norm_len))
-    raise ValueError(f"unknown loss aggregation {agg!r}")
+        return torch.zeros(sum(lengths))
+
+    def weight(n: int) -> float:
+        if agg == "token_mean":
+            return 1.0 / total
+        return 1.0 / (n_seq * (n if agg == "seq_mean_token_mean" else norm_len))
+
+    return torch.cat([torch.full((n,), weight(n) if k else 0.0) for n, k in zip(lengths, keep)])
 
 
 # ---- decoupled PPO: behaviour importance weights ----------------------------------------------

@@ -32,6 +32,7 @@ from relayrl.trainer.algo import (
     whiten,
 )
 from relayrl.trainer.engine import TrainEngine
+from relayrl.trainer.lora import is_lora
 from relayrl.trainer.packer import MicroBatch, Packer, TrainBatch
 from relayrl.trainer.schedule import LRSchedule
 from relayrl.trainer.value import Critic
@@ -160,6 +161,8 @@ class TrainController:
         training on."""
         state = {"version": self.version, "lr_schedule": self.schedule.state_dict(),
                  "policy_optimizer": self.engine.optimizer.state_dict()}
+        if is_lora(self.engine.model):  # the trained weights are the adapters: the HF export is merged
+            state["lora"] = {n: p.detach() for n, p in self.engine.model.named_parameters() if p.requires_grad}
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
         return state
@@ -167,6 +170,13 @@ class TrainController:
     def load_state_dict(self, state: dict) -> None:
         if ("critic" in state) != (self.critic is not None):
             raise ValueError("checkpoint and config disagree on the critic (algo.adv_estimator gae needs one)")
+        if ("lora" in state) != is_lora(self.engine.model):
+            raise ValueError("checkpoint and config disagree on LoRA (model.lora_rank): resume with the same setting")
+        if "lora" in state:
+            params = dict(self.engine.model.named_parameters())
+            with torch.no_grad():
+                for name, value in state["lora"].items():
+                    params[name].copy_(value)
         self.version = int(state["version"])
         self.schedule.load_state_dict(state["lr_schedule"])
         self.engine.optimizer.load_state_dict(state["policy_optimizer"])
@@ -255,7 +265,10 @@ class TrainController:
     def _loss_fn(self, batch: TrainBatch):
         a = self.algo
         lengths = batch.lengths
-        weights = token_weights(lengths, a.loss_agg, self.max_new_tokens)
+        keep = [s.finish_reason != "length" for s in batch.samples] if a.overlong_filter else None
+        weights = token_weights(lengths, a.loss_agg, self.max_new_tokens, keep)
+        if keep is not None:
+            self._step_stats["train/overlong_filtered_frac"] = 1.0 - sum(keep) / len(keep)
         batch.per_token["weights"] = list(weights.split(lengths))
         stat_weight = 1.0 / max(1, sum(lengths))
 

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 
 from relayrl.trainer.algo import reduce_stats
+from relayrl.trainer.lora import adapter_tensors, is_lora
+from relayrl.trainer.lora import wrap as wrap_lora
 from relayrl.trainer.packer import MicroBatch
 
 LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict[str, float]]]
@@ -37,10 +39,15 @@ class TrainEngine:
                           if params else None)
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype: str = "float32", **kwargs) -> TrainEngine:
+    def from_pretrained(cls, path: str, *, dtype: str = "float32", lora=None, **kwargs) -> TrainEngine:
+        """`lora`: settings with lora_rank > 0 (ModelConfig) wrap the model with peft, so that only the
+        adapters are trainable and in the optimizer (relayrl.trainer.lora)."""
         from relayrl.models import load_model
 
-        return cls(load_model(path, dtype=dtype), **kwargs)
+        model = load_model(path, dtype=dtype)
+        if lora is not None and lora.lora_rank > 0:
+            model = wrap_lora(model, lora)
+        return cls(model, **kwargs)
 
     def _autocast(self):
         if self.autocast_bf16:
@@ -68,7 +75,13 @@ class TrainEngine:
 
     @torch.no_grad()
     def forward_logprobs(self, mb: MicroBatch) -> torch.Tensor:
-        return self.logprobs(mb)[0]
+        """Logprobs without dropout (e.g. model.lora_dropout): old and reference logprobs must be deterministic."""
+        training = self.model.training
+        self.model.eval()
+        try:
+            return self.logprobs(mb)[0]
+        finally:
+            self.model.train(training)
 
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *,
                    with_entropy: bool = True, entropy_grad: bool = False) -> dict[str, float]:
@@ -93,7 +106,10 @@ class TrainEngine:
         return clip_and_step(self.model, self.optimizer, self.grad_clip)
 
     def named_parameters(self):
-        """Weights to relay to inference engines."""
+        """Weights to relay to inference engines: every parameter, or only the LoRA adapters of a peft model
+        (the engines merge them into their base weights)."""
+        if is_lora(self.model):
+            return adapter_tensors(self.model)
         return ((name, p.detach()) for name, p in self.model.named_parameters())
 
 

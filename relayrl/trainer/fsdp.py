@@ -24,7 +24,8 @@ Plugging in: `relayrl train ... train.engine=fsdp train.world_size=N` starts N p
 relayrl.trainer.leader keeps their trainer calls in step. Under a torchrun of the user's own (several
 machines) relayrl starts nothing and joins it. Parameters are DTensors: a final model is saved from
 `dict(engine.named_parameters())` (Components.save_model does), not with `engine.model.save_pretrained`;
-`engine.optimizer.state_dict()` holds only this rank's shard, so checkpoints of sharded runs are refused.
+`engine.optimizer.state_dict()` holds only this rank's shard, so checkpoints save the trainer with
+torch.distributed.checkpoint, every rank its shard (relayrl.checkpoint_dist; `sharded` selects that path).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class _TrainedPositions(torch.nn.Module):
 
 
 class FSDPEngine(TrainEngine):
+    sharded = True  # relayrl.checkpoint: weights and optimizer state are saved per rank (checkpoint_dist)
+
     def __init__(self, model: torch.nn.Module, *, mixed_precision: bool = False,
                  gradient_checkpointing: bool = False, **kwargs):
         """Shard `model` (fully_shard per decoder layer, then the root) across the process group.

@@ -3,18 +3,21 @@
 With `train.engine=fsdp` the trainer runs on N processes (torchrun). Only rank 0 runs the RL loop (engines,
 agents, judge, logs); the other ranks hold their FSDP shards and do what rank 0 does to the trainer, in the
 same order, because every FSDP call is a collective: fit the same batch, gather the full weights for a sync or
-an export. Rank 0's `LeaderController` broadcasts each such command before running it; `follow()` is the
-other ranks' whole program. The loop code is unchanged: it talks to a LeaderController as to a TrainController.
+an export, write or load a checkpoint's shards (relayrl.checkpoint_dist). Rank 0's `LeaderController`
+broadcasts each such command before running it; `follow()` is the other ranks' whole program. The loop code is
+unchanged: it talks to a LeaderController as to a TrainController.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from relayrl.checkpoint_dist import load_shards, save_shards
 from relayrl.trainer.controller import TrainController
 
 
@@ -59,11 +62,33 @@ class LeaderController:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.engine.named_parameters())
 
+    def save_checkpoint(self, folder: Path) -> None:
+        """Every rank writes its shard of the policy and its optimizer into `folder` (shared by all ranks)."""
+        _send("save", str(folder))
+        save_shards(self._ctl, folder)
+
+    def load_checkpoint(self, folder: Path) -> None:
+        """Every rank loads its slice of a sharded checkpoint's trainer state."""
+        _send("load", str(folder))
+        load_shards(self._ctl, folder)
+
     def stop_followers(self) -> None:
-        _send("stop")
+        stop_followers()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ctl, name)
+
+
+def lead(ctl: TrainController | LeaderController) -> LeaderController:
+    """Rank 0's controller from its first collective on; a controller already led is returned as it is (a
+    resume leads it at build time, the loop again after)."""
+    return ctl if isinstance(ctl, LeaderController) else LeaderController(ctl)
+
+
+def stop_followers() -> None:
+    """End the followers' `follow()`. Also sent when rank 0 fails before it leads anything (say, while building
+    the run), since the followers would otherwise wait for its first command forever."""
+    _send("stop")
 
 
 def follow(ctl: TrainController) -> None:
@@ -75,6 +100,10 @@ def follow(ctl: TrainController) -> None:
         elif command == "gather":
             for _ in ctl.engine.named_parameters():
                 pass
+        elif command == "save":
+            save_shards(ctl, Path(payload))
+        elif command == "load":
+            load_shards(ctl, Path(payload))
         elif command == "stop":
             return
         else:

@@ -1,0 +1,168 @@
+"""`launcher=ray` on a real local Ray cluster of 2 CPUs: the same run as a local one, in Ray actors.
+
+Each test runs `relayrl train ... launcher=ray` as a subprocess (the driver starts its own local cluster and
+shuts it down) and compares with the same config run without Ray: same seed and one torch thread on both
+sides, so the per-step losses and rewards must be identical, not just close.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TESTS, write_sums
+from safetensors.torch import load_file
+
+pytest.importorskip("ray")
+
+ENV = {**os.environ, "PYTHONPATH": TESTS, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
+
+
+def args(tiny_path: str, data: str, out: Path, name: str, **extra) -> list[str]:
+    base = {"model.path": tiny_path, "engine.dtype": "float32", "data.train.source": data,
+            "data.eval.source": data, "data.batch_size": 2, "data.group_size": 4, "sampling.max_new_tokens": 12,
+            "eval.size": 3, "eval.n": 2, "eval.temperature": 1.0, "run.steps": 2, "run.output_dir": str(out),
+            "run.name": name, "train.lr": 1e-3, "judge.reward_fn": "agents_for_tests:parity_reward",
+            "judge.workers": 1, "run.print_samples": 0, "run.threads": 1, "ray.num_cpus": 2}
+    base.update(extra)
+    return [sys.executable, "-m", "relayrl.cli", "train", *(f"{k}={v}" for k, v in base.items())]
+
+
+def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+def steps(run_dir: Path) -> list[tuple[float, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["train/loss"], r["rollout/reward_mean"]) for r in rows if "train/loss" in r]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "model" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def local_run(tiny_path, tmp_path_factory):
+    """The reference: the same tiny run without Ray."""
+    out = tmp_path_factory.mktemp("ray-ref")
+    data = write_sums(out / "sums.jsonl", 12)
+    run(args(tiny_path, data, out, "local"))
+    return out, data
+
+
+def test_colocated_on_ray_equals_local_run(tiny_path, local_run):
+    out, data = local_run
+    proc = run(args(tiny_path, data, out, "ray", launcher="ray"))
+    assert "TrainerWorker" in proc.stdout + proc.stderr  # it really ran in an actor (Ray prefixes its lines)
+    assert "final eval" in proc.stdout
+    assert len(steps(out / "ray")) == 2 and steps(out / "ray") == steps(out / "local")
+    ref = weights(out / "local")
+    for name, w in weights(out / "ray").items():
+        assert torch.equal(w, ref[name]), name
+
+
+def test_fsdp_ranks_as_ray_actors_equal_local_run(tiny_path, local_run):
+    out, data = local_run
+    run(args(tiny_path, data, out, "fsdp", launcher="ray", **{"train.engine": "fsdp", "train.world_size": 2}))
+    got, want = steps(out / "fsdp"), steps(out / "local")
+    assert len(got) == 2 and [r for _, r in got] == [r for _, r in want]
+    assert all(abs(a - b) < 1e-5 for (a, _), (b, _) in zip(got, want))
+    ref = weights(out / "local")
+    for name, w in weights(out / "fsdp").items():
+        assert torch.allclose(w, ref[name], atol=1e-5), name
+
+
+def test_separate_placement_with_a_launched_server_on_ray(tiny_path, local_run):
+    """Trainer, producer and the producer's inference server: three actors on three bundles of 2 CPUs, weights
+    relayed trainer -> producer -> server as versioned safetensors folders."""
+    out, data = local_run
+    run(args(tiny_path, data, out, "sep", launcher="ray", **{
+        "scheduler.mode": "async", "scheduler.placement": "separate", "scheduler.max_staleness": 0,
+        "engine.kind": "remote", "engine.launch": "relayrl", "ray.trainer_cpus": 1, "ray.rollout_cpus": 0.5}))
+    assert steps(out / "sep") == steps(out / "local")  # max_staleness=0: the synchronous batches, step by step
+    assert (out / "sep" / "servers" / "relayrl-0.log").is_file()
+
+
+def test_separate_placement_dist_transport_on_ray(tiny_path, local_run):
+    """The gloo broadcast trainer -> producer rendezvouses at the node's address (not 127.0.0.1) under Ray."""
+    out, data = local_run
+    run(args(tiny_path, data, out, "sep-dist", launcher="ray", **{
+        "scheduler.mode": "async", "scheduler.placement": "separate", "scheduler.transport": "dist",
+        "scheduler.max_staleness": 0}))
+    assert steps(out / "sep-dist") == steps(out / "local")
+
+
+def test_join_a_running_cluster(tiny_path, local_run):
+    """ray.address: the run joins a cluster started with `ray start --head` and leaves it running, empty."""
+    from relayrl.launcher import free_port
+
+    out, data = local_run
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    port = free_port()
+    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                    "--disable-usage-stats"], check=True, capture_output=True, env=ENV, timeout=120)
+    try:
+        run(args(tiny_path, data, out, "joined", launcher="ray", **{
+            "ray.address": f"127.0.0.1:{port}", "engine.kind": "remote", "engine.launch": "relayrl"}))
+        assert steps(out / "joined") == steps(out / "local")  # a launched relayrl server gives the same run
+        status = subprocess.run([ray_bin, "status", f"--address=127.0.0.1:{port}"], capture_output=True,
+                                text=True, env=ENV, timeout=60)
+        assert "Active" in status.stdout  # the cluster outlives the run
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, env=ENV, timeout=120)
+
+
+def test_not_enough_resources_is_a_clear_error(tiny_path, local_run):
+    out, data = local_run
+    proc = subprocess.run(args(tiny_path, data, out, "big", launcher="ray", **{"ray.trainer_cpus": 3}),
+                          capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode != 0
+    assert "needs 3 CPU" in proc.stderr and "ray.trainer_" in proc.stderr and "has 2" in proc.stderr
+
+
+def test_ctrl_c_stops_every_actor_and_server(tiny_path, local_run):
+    out, data = local_run
+    seed = 7000 + os.getpid() % 1000  # launched servers carry --seed SEED: how we find leftovers
+    proc = subprocess.Popen(args(tiny_path, data, out, "stopped", launcher="ray", **{
+        "run.steps": 500, "run.seed": seed, "engine.kind": "remote", "engine.launch": "relayrl"}),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        _wait_for_line(proc, " 1 ", timeout=180)  # the first step's table row
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        assert time.monotonic() - t0 < 45
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    deadline = time.monotonic() + 20
+    while _leftovers(seed) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _leftovers(seed)
+
+
+def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float) -> None:
+    deadline, seen = time.monotonic() + timeout, []
+    for line in proc.stdout:
+        seen.append(line)
+        if "TrainerWorker" in line and needle in line and "%" in line:
+            return
+        assert time.monotonic() < deadline, "".join(seen[-40:])
+    raise AssertionError("the run ended before its first step:\n" + "".join(seen[-40:]))
+
+
+def _leftovers(seed: int) -> list[str]:
+    """Processes still running from the stopped run: its relayrl server, or Ray's workers of that session."""
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+    return [p for p in out if (f"--seed {seed}" in p and "relayrl.cli serve" in p)
+            or p.startswith(("ray::TrainerWorker", "ray::ServerActor"))]
