@@ -250,3 +250,28 @@ def test_load_weights_from_disk(tiny_path, tmp_path):
     with pytest.raises(FileNotFoundError):
         eng.load_weights_from_disk(str(tmp_path), version=2)
     eng.close()
+
+
+def test_inverse_cdf_sampling_matches_probabilities_and_never_picks_zero_probability_tokens():
+    from relayrl.engine.sampling import _inverse_cdf
+
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    n = 20000
+    u = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    tokens = _inverse_cdf(probs.expand(n, -1), u)
+    counts = torch.bincount(tokens, minlength=6).float() / n
+    assert counts[[0, 2, 5]].sum() == 0  # including u = 0 and the largest u
+    for tok in (1, 3, 4):
+        sd = (probs[tok] * (1 - probs[tok]) / n) ** 0.5
+        assert abs(counts[tok] - probs[tok]) < 5 * sd
+    edge = _inverse_cdf(probs.expand(2, -1), torch.tensor([0.0, 1.0 - 2 ** -24]))
+    assert edge.tolist() == [1, 4]
+
+
+def test_seeded_rows_sample_the_same_tokens_whatever_shares_their_batch(engine):
+    seeded = SamplingParams(max_new_tokens=8, seed=123, ignore_eos=True)
+    alone = engine.generate([[5, 6, 7]], seeded)[0]
+    futures = [engine.submit([9, 9], SamplingParams(max_new_tokens=8, ignore_eos=True)),
+               engine.submit([5, 6, 7], seeded), engine.submit([4], SamplingParams(max_new_tokens=3, seed=7))]
+    crowd = futures[1].result(timeout=60)
+    assert crowd.output_ids == alone.output_ids and crowd.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
