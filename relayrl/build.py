@@ -340,6 +340,11 @@ def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainControl
         ref_engine = BaseReference(train_engine)
     elif cfg.algo.kl_coef > 0:
         ref_model = load_model(model_path, dtype=cfg.model.train_dtype).requires_grad_(False)
-        ref_engine = TrainEngine(ref_model, **engine_kw)
+        if t.engine == "fsdp":  # a whole copy per rank, each rank computing its share of the batch
+            from relayrl.trainer.fsdp import ReplicatedEngine
+
+            ref_engine = ReplicatedEngine(ref_model, **engine_kw)
+        else:
+            ref_engine = TrainEngine(ref_model, **engine_kw)
     return TrainController(train_engine, cfg.algo, cfg.train, pad_id=pad_id,
                            max_new_tokens=cfg.sampling.max_new_tokens, ref_engine=ref_engine)

@@ -67,7 +67,7 @@ def forward_batch():
 # ---- the worker (one rank) ----------------------------------------------------------------------------
 def worker(model_path: str, out: str) -> None:
     from relayrl.models import load_model
-    from relayrl.trainer.fsdp import FSDPEngine, init_distributed, shutdown_distributed
+    from relayrl.trainer.fsdp import FSDPEngine, ReplicatedEngine, init_distributed, shutdown_distributed
 
     torch.set_num_threads(1)
     rank, _ = init_distributed()
@@ -81,6 +81,12 @@ def worker(model_path: str, out: str) -> None:
     results["all_ranks"] = _cpu_copy(engine.named_parameters(rank0_only=False))
     frozen = FSDPEngine(load_model(model_path).requires_grad_(False))  # as a KL reference engine is built
     results["forward"] = [frozen.forward_logprobs(mb) for mb in forward_batch().micro_batches]
+    results["forward_all"] = {}
+    replicated = ReplicatedEngine(load_model(model_path).requires_grad_(False))
+    for kind, engine in (("fsdp", frozen), ("replicated", replicated)):
+        calls, forward = [], engine.forward_logprobs
+        engine.forward_logprobs = lambda mb, calls=calls, forward=forward: calls.append(1) or forward(mb)
+        results["forward_all"][kind] = (engine.forward_logprobs_all(forward_batch().micro_batches), len(calls))
     results["mismatch"] = None
     try:  # rank r drops its last r samples: a batch that differs between ranks must be refused
         make_controller(FSDPEngine(load_model(model_path), lr=LR), "sgd").fit(make_samples()[: 9 - rank])
@@ -215,6 +221,20 @@ def test_fsdp_forward_logprobs_of_a_frozen_engine(worlds, reference):
         for r in range(ws):
             for got, want in zip(worlds[ws][r]["forward"], reference["forward"], strict=True):
                 assert torch.allclose(got, want, atol=1e-6, rtol=0)
+
+
+def test_forward_passes_are_split_across_ranks_and_shared(worlds, reference):
+    """Old/reference logprobs: every micro-batch computed once on one rank, every rank gets all of them."""
+    n = len(reference["forward"])
+    for kind in ("fsdp", "replicated"):
+        for ws in (1, 2):
+            counts = [worlds[ws][r]["forward_all"][kind][1] for r in range(ws)]
+            assert sum(counts) == n, (kind, ws, counts)  # each micro-batch forwarded exactly once
+            assert ws == 1 or max(counts) < n, (kind, ws, counts)  # and not all of them on one rank
+            for r in range(ws):
+                got = worlds[ws][r]["forward_all"][kind][0]
+                for g, w in zip(got, reference["forward"], strict=True):
+                    assert torch.allclose(g, w, atol=1e-6, rtol=0), (kind, ws, r)
 
 
 def test_fsdp_refuses_ranks_with_different_batches(worlds):

@@ -252,8 +252,8 @@ class TrainController:
         return adv
 
     def _forward_into(self, engine: TrainEngine, batch: TrainBatch, key: str) -> None:
-        for mb in batch.micro_batches:
-            batch.scatter(key, mb, engine.forward_logprobs(mb))
+        for mb, logp in zip(batch.micro_batches, engine.forward_logprobs_all(batch.micro_batches), strict=True):
+            batch.scatter(key, mb, logp)
 
     def _sub_batch(self, batch: TrainBatch, idx: list[int]) -> TrainBatch:
         samples = [batch.samples[i] for i in idx]

@@ -73,6 +73,10 @@ class TrainEngine:
                                           position_ids=mb.position_ids, use_cache=False).last_hidden_state
         return self.model.get_output_embeddings()(hidden[mb.rows, mb.cols])
 
+    def forward_logprobs_all(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        """forward_logprobs of every micro-batch of a batch (data-parallel engines share the work out)."""
+        return [self.forward_logprobs(mb) for mb in mbs]
+
     @torch.no_grad()
     def forward_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         """Logprobs without dropout (e.g. model.lora_dropout): old and reference logprobs must be deterministic."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -138,12 +139,19 @@ class FSDPEngine(TrainEngine):
         stats["train_step_s"] = time.perf_counter() - t0
         return stats
 
+    def forward_logprobs_all(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        """Old logprobs of the batch with each micro-batch computed once, on one rank (balanced as in
+        training), then shared: N ranks do 1/N of the forward passes instead of all of them each."""
+        return split_forward(mbs, self.forward_logprobs, self.rank, self.world_size, pad=self._empty_forward)
+
+    @torch.no_grad()
+    def _empty_forward(self) -> None:
+        """A one-token forward: it joins every collective of a real forward (FSDP's weight gathers)."""
+        self.logprobs(_one_token())
+
     def _empty_step(self) -> None:
         """A one-token forward/backward with zero loss: it joins every collective of a real step."""
-        one = torch.zeros((1, 1), dtype=torch.long)
-        mb = MicroBatch([], one, torch.ones_like(one), torch.zeros(1, dtype=torch.long),
-                        torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
-        logp, _ = self.logprobs(mb)
+        logp, _ = self.logprobs(_one_token())
         (logp.sum() * 0.0).backward()
 
     def _check_same_batch(self, mbs: list[MicroBatch]) -> None:
@@ -173,6 +181,39 @@ class FSDPEngine(TrainEngine):
             if self.rank == 0 or not rank0_only:
                 yield name, full.detach()
             del full
+
+
+class ReplicatedEngine(TrainEngine):
+    """A frozen model held whole on every rank (the KL reference of an FSDP run): its forward passes involve no
+    collective, and each rank computes only its share of a batch's micro-batches."""
+
+    def forward_logprobs_all(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        return split_forward(mbs, self.forward_logprobs, dist.get_rank(), dist.get_world_size())
+
+
+def split_forward(mbs: list[MicroBatch], forward: Callable[[MicroBatch], torch.Tensor], rank: int, world: int,
+                  pad: Callable[[], None] | None = None) -> list[torch.Tensor]:
+    """forward() of every micro-batch, each run on one rank, the results shared with all ranks.
+
+    The split is balance_ranks' (the same on every rank without talking); a rank with fewer micro-batches
+    calls `pad` for each missing one, so engines whose forward is a collective stay in lockstep.
+    """
+    real = [i for i, mb in enumerate(mbs) if mb.num_tokens > 0]
+    split = balance_ranks([mbs[i] for i in real], world)
+    mine = {real[j]: forward(mbs[real[j]]).cpu() for j in split.ranks[rank]}
+    for _ in range(split.steps - len(split.ranks[rank])):
+        if pad is not None:
+            pad()
+    parts: list = [None] * world
+    dist.all_gather_object(parts, mine)
+    got = {i: t for part in parts for i, t in part.items()}
+    return [got.get(i, torch.zeros(0)) for i in range(len(mbs))]
+
+
+def _one_token() -> MicroBatch:
+    one = torch.zeros((1, 1), dtype=torch.long)
+    return MicroBatch([], one, torch.ones_like(one), torch.zeros(1, dtype=torch.long),
+                      torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
 
 
 def _shard(model: torch.nn.Module, mixed_precision: bool) -> _TrainedPositions:

@@ -125,6 +125,9 @@ class BaseReference:
         with self.engine.model.disable_adapter():
             return self.engine.forward_logprobs(mb)
 
+    def forward_logprobs_all(self, mbs: list) -> list[torch.Tensor]:
+        return [self.forward_logprobs(mb) for mb in mbs]
+
 
 # ---- engine side -------------------------------------------------------------------------------------
 def merge_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor) -> torch.Tensor:
