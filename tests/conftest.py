@@ -2,6 +2,7 @@
 sys.path (configs name test agents and rewards by import path; judge workers inherit sys.path), and a small
 arithmetic dataset writer."""
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -31,3 +32,19 @@ def write_sums(path: Path, n: int) -> str:
     path.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
                             for i in range(n)))
     return str(path)
+
+
+@contextlib.contextmanager
+def relayrl_servers(model_path: str, logs: Path, n: int = 2):
+    """n real `relayrl serve` subprocesses of a model (fp32, small batches), healthy, stopped on exit."""
+    from relayrl.launcher import relayrl_server
+
+    servers = [relayrl_server(model_path, logs / f"s{i}.log", dtype="float32", max_batch_size=8).start()
+               for i in range(n)]
+    try:
+        for s in servers:
+            s.wait_ready(120)
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import write_sums
+from conftest import relayrl_servers, write_sums
 
 from relayrl.build import build
 from relayrl.config.loader import ConfigError
@@ -78,16 +78,8 @@ def hidden(tiny_path) -> int:
 
 @pytest.fixture(scope="module")
 def servers(tiny_path, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("broadcast")
-    both = [relayrl_server(tiny_path, logs / f"s{i}.log", dtype="float32", max_batch_size=8).start()
-            for i in range(2)]
-    try:
-        for s in both:
-            s.wait_ready(120)
+    with relayrl_servers(tiny_path, tmp_path_factory.mktemp("broadcast")) as both:
         yield both
-    finally:
-        for s in both:
-            s.stop()
 
 
 def test_broadcast_makes_the_server_run_the_trainers_weights(servers, tiny_path):
