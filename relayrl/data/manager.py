@@ -131,8 +131,15 @@ class DataManager:
             self.replay_buffer.put(done)
 
     def get_batch(self, n_groups: int | None = None, timeout: float | None = None) -> list[Sample]:
-        """Take the oldest n groups (every buffered group if None), waiting for them; marks them archived."""
-        batch = [s for group in self.replay_buffer.take(n_groups, timeout) for s in group]
+        """Take the oldest n groups (every buffered group if None), waiting for them; marks them archived.
+
+        The groups come out in the order they were drawn (their seeds grow with it), not the order they happened
+        to finish in: the batch order decides how micro-batches are packed and so the float rounding of the
+        update, and a run must not depend on which of two groups won a race (exact resume relies on it).
+        """
+        groups = self.replay_buffer.take(n_groups, timeout)
+        groups.sort(key=lambda g: -1 if g[0].seed is None else g[0].seed)  # stable: unseeded keep arrival order
+        batch = [s for group in groups for s in group]
         for s in batch:
             s.status = Status.ARCHIVED
         return batch
