@@ -13,7 +13,6 @@ Senders are called by the trainer after each update; receivers run a thread on t
 
 from __future__ import annotations
 
-import datetime
 import os
 import shutil
 import threading
@@ -100,33 +99,36 @@ class DiskReceiver:
 
 
 class DistSender:
-    """Rank 0 of a 2-process group: broadcasts [version] then every tensor, in parameter order."""
+    """Rank 0 of a 2-process group: broadcasts [version] then every tensor, in parameter order.
+
+    The group is a private one (`relayrl.weight_group.WeightGroup`), never torch.distributed's default group:
+    a sender's last message must not land in another group created later in the same process."""
 
     def __init__(self, address: str, world: int = 2, dtype: torch.dtype = torch.float32):
-        import torch.distributed as dist
-
-        self.dist, self.dtype = dist, dtype
-        self.group = _init_group(address, rank=0, world=world)
+        self.dtype = dtype
+        self.group = _group(address, rank=0, world=world)
 
     def send(self, named_tensors: Named, version: int) -> None:
-        self.dist.broadcast(torch.tensor([version], dtype=torch.long), src=0, group=self.group)
-        for _, t in named_tensors:
-            self.dist.broadcast(t.detach().to("cpu", self.dtype).contiguous(), src=0, group=self.group)
+        self.group.broadcast([("version", torch.tensor([version], dtype=torch.long))])
+        self.group.broadcast((n, t.detach().to("cpu", self.dtype)) for n, t in named_tensors)
 
     def close(self) -> None:
-        self.dist.broadcast(torch.tensor([-1], dtype=torch.long), src=0, group=self.group)  # receivers stop
-        _destroy(self.dist)
+        """Tell the receivers to stop (if they are still there), then drop the connections."""
+        try:
+            self.group.broadcast([("stop", torch.tensor([-1], dtype=torch.long))])
+        except RuntimeError:  # the receiver is gone already (its process ended): nothing left to tell
+            pass
+        finally:
+            self.group.close()
 
 
 class DistReceiver:
-    """Rank 1: receives each version into buffers shaped like `template` and applies it."""
+    """Rank 1: receives each version in the sender's wire dtype, shaped like `template`, and applies it."""
 
     def __init__(self, address: str, template: Named, apply: Apply, rank: int = 1, world: int = 2,
                  dtype: torch.dtype = torch.float32):
-        import torch.distributed as dist
-
-        self.dist, self.apply = dist, apply
-        self.buffers = [(n, torch.empty(t.shape, dtype=dtype)) for n, t in template]  # the sender's wire dtype
+        self.apply = apply
+        self.specs = [(n, dtype, tuple(t.shape)) for n, t in template]
         self.version = -1
         self.error: BaseException | None = None
         self._ready = threading.Event()
@@ -135,23 +137,22 @@ class DistReceiver:
         self._thread.start()
 
     def _run(self, address: str, rank: int, world: int) -> None:
+        group = None
         try:
-            group = _init_group(address, rank=rank, world=world)
+            group = _group(address, rank=rank, world=world)
             self._ready.set()
             while True:
-                header = torch.zeros(1, dtype=torch.long)
-                self.dist.broadcast(header, src=0, group=group)
-                version = int(header.item())
+                version = int(group.receive([("version", torch.long, (1,))])[0][1].item())
                 if version < 0:
                     break
-                for _, buf in self.buffers:
-                    self.dist.broadcast(buf, src=0, group=group)
-                self.apply(self.buffers, version)
+                self.apply(group.receive(self.specs), version)
                 self.version = version
-            _destroy(self.dist)
         except BaseException as e:
             self.error = e
             self._ready.set()
+        finally:
+            if group is not None:
+                group.close()
 
     def close(self, timeout: float = 30.0) -> None:
         """Wait for the sender's end-of-stream (it comes with the trainer's stop); the thread is a daemon, so
@@ -159,16 +160,10 @@ class DistReceiver:
         self._thread.join(timeout)
 
 
-def _init_group(address: str, rank: int, world: int):
-    import torch.distributed as dist
+def _group(address: str, rank: int, world: int):
+    """A gloo group of its own at host:port; a peer that died leaves the other waiting at most 300 s."""
+    from relayrl.weight_group import WeightGroup
 
-    if not dist.is_initialized():  # a peer that died leaves the other waiting at most this long
-        dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=300))
-    return dist.group.WORLD
-
-
-def _destroy(dist) -> None:
-    if dist.is_initialized():
-        dist.barrier()  # without it, gloo may abort at exit ("terminate called without an active exception")
-        dist.destroy_process_group()
+    host, port = address.rsplit(":", 1)
+    return WeightGroup(host, int(port), rank=rank, world_size=world, backend="gloo", group_name="relayrl-transport",
+                       timeout=300.0)

@@ -61,9 +61,8 @@ def train_rows(run_dir):
 
 
 # PPO: critic, KL reference, LR schedule with warmup (total_steps fixed: it defaults to run.steps, which the
-# first half changes). One minibatch: with two, the split follows the order groups finish in, which is not
-# reproducible even without a resume.
-PPO = {"algo.preset": "ppo", "algo.kl_coef": 0.01, "train.minibatches": 1, "train.lr_schedule": "cosine",
+# first half changes), and the preset's two minibatches (the split follows the groups' draw order).
+PPO = {"algo.preset": "ppo", "algo.kl_coef": 0.01, "train.lr_schedule": "cosine",
        "train.total_steps": 4, "train.warmup_steps": 1}
 
 
