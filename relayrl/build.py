@@ -265,12 +265,10 @@ def launch_servers(cfg: Config, model_path: str, run_dir: Path) -> list[ManagedS
     """Start engine.num_engines servers when engine.launch asks for them, and wait until all are healthy.
     Under `launcher=ray` each server runs in a Ray actor on its own bundle of the run's placement group."""
     e = cfg.engine
-    if e.kind != "remote" or e.launch == "none":
-        return []
     placement = ray_placement()
     servers = []
     try:
-        for i in range(e.num_engines):
+        for i in range(e.launched_servers):
             log, seed = run_dir / "servers" / f"{e.launch}-{i}.log", cfg.run.seed + i
             server = (placement.server(i, e, model_path, log, seed) if placement
                       else make_server(e, model_path, log, seed=seed))

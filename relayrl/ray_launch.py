@@ -76,8 +76,7 @@ def layout(cfg: Config) -> Layout:
         return len(bundles) - 1
 
     trainer = [add(r.trainer_cpus, r.trainer_gpus) for _ in range(cfg.train.world_size)]
-    n_servers = e.num_engines if e.kind == "remote" and e.launch != "none" else 0
-    servers = [add(r.rollout_cpus, r.rollout_gpus) for _ in range(n_servers)]
+    servers = [add(r.rollout_cpus, r.rollout_gpus) for _ in range(e.launched_servers)]
     producer = add(r.rollout_cpus, r.rollout_gpus) if cfg.scheduler.placement == "separate" else None
     return Layout(bundles, trainer, servers, producer)
 

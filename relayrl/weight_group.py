@@ -220,7 +220,7 @@ class DistributedSync:
                 "group_name": self.group_name, "backend": backend}
         calls = [(m.address, m.post_async("/init_weights_update_group", {**body, "rank_offset": 1 + i},
                                           timeout=self.timeout)) for i, m in enumerate(self.members)]
-        mine = _on_daemon_thread(lambda: WeightGroup(address, port, rank=0, world_size=world, backend=backend,
+        mine = on_daemon_thread(lambda: WeightGroup(address, port, rank=0, world_size=world, backend=backend,
                                                      group_name=self.group_name, timeout=self.timeout))
         if backend == "nccl":  # a server may answer only once NCCL connects, which our first broadcast does
             self._joins, calls = calls, []
@@ -235,7 +235,7 @@ class DistributedSync:
         calls = [(m.address, m.post_async("/update_weights_from_distributed", body, timeout=self.timeout))
                  for m in self.members]
         joins, self._joins, group = self._joins, [], self._group
-        self._settle(joins + calls, _on_daemon_thread(lambda: group.broadcast(tensors)),
+        self._settle(joins + calls, on_daemon_thread(lambda: group.broadcast(tensors)),
                      f"broadcasting weights version {version} over group {self.group_name!r}")
 
     def _settle(self, calls: list[tuple[str, concurrent.futures.Future]], mine: concurrent.futures.Future, what: str,
@@ -282,8 +282,9 @@ class DistributedSync:
             self._group = None
 
 
-def _on_daemon_thread(fn: Callable[[], Any]) -> concurrent.futures.Future:
-    """Run fn on a daemon thread: a broadcast stuck on a dead peer must not keep the process from exiting."""
+def on_daemon_thread(fn: Callable[[], Any]) -> concurrent.futures.Future:
+    """Run fn on a daemon thread: a broadcast stuck on a dead peer must not keep the process from exiting
+    (a thread pool's workers are joined at exit). Also used by relayrl serve's side of the routes."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def run() -> None:

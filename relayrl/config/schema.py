@@ -124,6 +124,11 @@ class EngineConfig:
     weight_sync: Literal["disk", "distributed"] = "disk"
     weight_sync_backend: Literal["auto", "nccl", "gloo"] = "auto"  # distributed: auto = nccl with CUDA, else gloo
 
+    @property
+    def launched_servers(self) -> int:
+        """How many inference servers the run itself starts (and stops)."""
+        return self.num_engines if self.kind == "remote" and self.launch != "none" else 0
+
     def validate(self) -> None:
         check(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")
         check(self.num_engines >= 1, "num_engines", "must be >= 1")

@@ -21,8 +21,6 @@ Unlike SGLang, load_format (flattened_bucket) is not supported.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +30,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from relayrl.serve.native import BadRequest, ServerState, _weight_version, number
-from relayrl.weight_group import DEFAULT_GROUP, WeightGroup, parse_dtype
+from relayrl.weight_group import DEFAULT_GROUP, WeightGroup, on_daemon_thread, parse_dtype
 
 DEFAULT_TIMEOUT = 600.0
 Route = Callable[[Request, Any], Awaitable[Any]]
@@ -58,17 +56,7 @@ async def _in_daemon_thread(state: ServerState, fn: Callable[..., Any], *args: A
     """Run a call that may block for a whole group timeout. asyncio.to_thread's pool threads are joined at
     exit, so a receive waiting on a vanished trainer would hold the server's shutdown for that long; and the
     request stops waiting once the server shuts down, instead of holding uvicorn's graceful shutdown."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # handed to the awaiting route
-                future.set_exception(e)
-
-    threading.Thread(target=run, daemon=True, name="relayrl-weights-dist").start()
-    waiting = asyncio.wrap_future(future)
+    waiting = asyncio.wrap_future(on_daemon_thread(lambda: fn(*args)))
     while not state.closing:
         done, _ = await asyncio.wait({waiting}, timeout=0.5)
         if done:

@@ -201,8 +201,8 @@ def split_forward(mbs: list[MicroBatch], forward: Callable[[MicroBatch], torch.T
     real = [i for i, mb in enumerate(mbs) if mb.num_tokens > 0]
     split = balance_ranks([mbs[i] for i in real], world)
     mine = {real[j]: forward(mbs[real[j]]).cpu() for j in split.ranks[rank]}
-    for _ in range(split.steps - len(split.ranks[rank])):
-        if pad is not None:
+    if pad is not None:
+        for _ in range(split.steps - len(split.ranks[rank])):
             pad()
     parts: list = [None] * world
     dist.all_gather_object(parts, mine)
