@@ -289,7 +289,7 @@ def make_engines(cfg: Config, model_path: str, eos: list[int], run_dir: Path,
     if e.kind == "local":
         kw = dict(eos_token_ids=eos, max_batch_size=e.max_batch_size, max_seq_len=e.max_seq_len,
                   max_tokens_in_flight=e.max_tokens_in_flight, prefix_cache_size=e.prefix_cache_size,
-                  kv_on_update=e.kv_on_update)
+                  kv_on_update=e.kv_on_update, attention=e.attention)
         return [LocalEngine(load_model(model_path, dtype=e.dtype), seed=cfg.run.seed + i, **kw)
                 for i in range(e.num_engines)]
     weights_dir = e.weights_dir or str(run_dir / "weights")

@@ -109,6 +109,9 @@ class EngineConfig:
     max_tokens_in_flight: int | None = None  # admit requests while sum(prompt + max_new_tokens) fits
     prefix_cache_size: int = 64  # finished trajectories whose KV is kept for their next turn
     kv_on_update: Literal["recompute", "keep"] = "recompute"  # KV of running sequences after a weight update
+    # decode-step attention of local engines: kernel = relayrl's C kernel (built once with the system compiler),
+    # sdpa = PyTorch's; auto = the kernel when it builds and fits the model, else sdpa
+    attention: Literal["auto", "kernel", "sdpa"] = "auto"
     # remote engines: servers at `addresses`, or num_engines servers started by the run (`launch`)
     backend: Literal["sglang", "vllm"] = "sglang"  # sglang: SGLang's native API (also `relayrl serve`)
     addresses: list[str] = field(default_factory=list)  # e.g. ["http://10.0.0.5:30000"]

@@ -7,7 +7,9 @@ reallocation. Sequences of different lengths share the batch; a boolean attentio
 slot's unused positions.
 
 The object is passed to the model as `past_key_values`; HF attention layers call `update()` with
-the new keys/values of the current forward and attend over what it returns.
+the new keys/values of the current forward and attend over what it returns. In a *fused* decode step
+(relayrl.engine.attention's C kernel) `update()` hands the new keys/values back untouched and the
+attention function calls `attend()`, which writes them into the slots and attends in one pass.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import torch
 
 class SlotKVCache:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 slots: int = 8, length: int = 256):
+                 slots: int = 8, length: int = 256, kernel=None):
+        self.kernel = kernel  # the decode-attention library (relayrl.engine.attention.load_kernel) or None
+        self.fused = False  # the current decode step runs attention through the kernel
+        self.attended = 0  # layers the kernel served in the current fused step (checked by the engine)
         self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
         self.slots, self.length = 0, 0
         self.k: list[torch.Tensor] = []
@@ -51,7 +56,7 @@ class SlotKVCache:
     def prefill_into(self, slot: int, start: int = 0) -> None:
         """Next forward is a single-sequence prefill whose keys/values go to `slot` from `start` on,
         attending to the slot's first `start` positions (a reused prefix) as well."""
-        self._mode = ("prefill", slot, start)
+        self._mode, self.fused = ("prefill", slot, start), False
 
     def export(self, slot: int, length: int) -> list[torch.Tensor]:
         """A copy of a slot's first `length` positions (all layers, keys then values), to park it."""
@@ -61,9 +66,19 @@ class SlotKVCache:
         for t, s in zip(self.k + self.v, saved):
             t[slot, :, : s.shape[1]] = s
 
-    def decode(self, positions: torch.Tensor, kv_len: int) -> None:
-        """Next forward feeds one token per active slot 0..n-1, written at `positions` [n]."""
+    def decode(self, positions: torch.Tensor, kv_len: int, fused: bool = False) -> None:
+        """Next forward feeds one token per active slot 0..n-1, written at `positions` [n] (int64)."""
         self._mode = ("decode", positions, kv_len)
+        self.fused, self.attended = fused and self.kernel is not None, 0
+
+    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Fused decode: store this step's key/value and attend over each slot's positions (the kernel)."""
+        from relayrl.engine.attention import decode_attention
+
+        self.attended += 1
+        return decode_attention(self.kernel, query, key, value, self.k[layer_idx], self.v[layer_idx],
+                                self._mode[1], scale)
 
     # ---- the HF Cache protocol (the subset decoder models call) ------------------------------
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -76,6 +91,8 @@ class SlotKVCache:
             if start == 0:
                 return key, value
             return self.k[layer_idx][slot: slot + 1, :, :end], self.v[layer_idx][slot: slot + 1, :, :end]
+        if mode == "decode" and self.fused:
+            return key, value  # attend() writes them
         if mode == "decode":
             positions, kv_len = self._mode[1], self._mode[2]
             rows = torch.arange(key.shape[0])

@@ -62,9 +62,11 @@ class LocalEngine:
 
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: Iterable[int], max_batch_size: int = 64,
                  max_seq_len: int | None = None, seed: int = 0, max_tokens_in_flight: int | None = None,
-                 prefix_cache_size: int = 64, kv_on_update: str = "recompute"):
+                 prefix_cache_size: int = 64, kv_on_update: str = "recompute", attention: str = "auto"):
         if kv_on_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_update must be 'recompute' or 'keep', got {kv_on_update!r}")
+        if attention not in ("auto", "kernel", "sdpa"):
+            raise ValueError(f"attention must be 'auto', 'kernel' or 'sdpa', got {attention!r}")
         cfg = model.config
         self.model = model.eval()
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -77,6 +79,7 @@ class LocalEngine:
         self._state = model.state_dict(keep_vars=True)  # also holds tied aliases (lm_head.weight)
         self._lora_base: dict[str, torch.Tensor] = {}  # adapted weights before their first LoRA merge
         self._generator = torch.Generator().manual_seed(seed)
+        self._sample_work = torch.empty(0)  # sampling's float32 scratch, grown to the largest batch x vocab
         self.max_tokens_in_flight, self.kv_on_update = max_tokens_in_flight, kv_on_update
         self._parked: OrderedDict[str, tuple[list[int], list[torch.Tensor]]] = OrderedDict()
         self.prefix_cache_size = prefix_cache_size
@@ -90,6 +93,8 @@ class LocalEngine:
         self._thread: threading.Thread | None = None
         self.stats = {"generated_tokens": 0, "prefill_tokens": 0, "prefills": 0, "steps": 0, "busy_s": 0.0,
                       "reused_tokens": 0, "aborted": 0}
+        if attention != "sdpa":
+            self._use_kernel(attention == "kernel", cfg.num_attention_heads, kv_heads, head_dim)
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str = "bfloat16", **kwargs) -> LocalEngine:
@@ -223,6 +228,34 @@ class LocalEngine:
         self._waiting.clear()
         self._active.clear()
 
+    @property
+    def attention(self) -> str:
+        """How decode steps attend: "kernel" (relayrl.engine.attention) or "sdpa"."""
+        return "kernel" if self.cache.kernel is not None else "sdpa"
+
+    def _use_kernel(self, required: bool, heads: int, kv_heads: int, head_dim: int) -> None:
+        """Route decode attention through the C kernel when it builds, fits the model and the model sends its
+        attention calls to it (checked on one real decode step); else SDPA, or an error when `required`."""
+        from relayrl.engine.attention import install, kernel_supports, load_kernel
+
+        why = None
+        if not kernel_supports(self.cache.dtype, heads, kv_heads, head_dim):
+            why = f"no kernel for dtype={self.cache.dtype}, heads={heads}/{kv_heads}, head_dim={head_dim}"
+        elif (lib := load_kernel()) is None:
+            why = "the kernel did not build (see the warning above) or RELAYRL_KERNELS=0"
+        elif not install(self.model):
+            why = f"the model's attention ({self.model.config._attn_implementation}) is not SDPA"
+        else:
+            self.cache.kernel = lib
+            with torch.inference_mode():
+                self._prefill([0, 0], 0)
+                self._forward_decode([0], torch.tensor([2]))
+            self.stats.update(prefill_tokens=0, prefills=0)
+            if self.cache.attended != self.model.config.num_hidden_layers:
+                self.cache.kernel, why = None, "the model's layers do not pass relayrl_cache to attention"
+        if why and required:
+            raise RuntimeError(f"engine.attention=kernel: {why}")
+
     # ---- worker -------------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -330,24 +363,33 @@ class LocalEngine:
         self.stats["prefills"] += 1
         return out.logits[:, -1].float()
 
+    def _forward_decode(self, tokens: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """One token for each of slots 0..n-1 at `positions`; returns the logits [n, vocab]."""
+        kv_len = int(positions.max()) + 1
+        fused = self.cache.kernel is not None
+        self.cache.decode(positions, kv_len, fused=fused)
+        mask = (torch.arange(kv_len)[None, :] <= positions[:, None])[:, None, None, :]
+        extra = {"relayrl_cache": self.cache} if fused else {}
+        out = self.model(input_ids=torch.tensor(tokens)[:, None], position_ids=positions[:, None],
+                         attention_mask=mask, past_key_values=self.cache, use_cache=True, **extra)
+        if fused and self.cache.attended != self.model.config.num_hidden_layers:
+            raise RuntimeError(f"decode kernel ran for {self.cache.attended} of the model's layers")
+        return out.logits[:, -1]
+
     def _decode_step(self) -> None:
         seqs = self._active
-        positions = torch.tensor([s.kv_len for s in seqs])
-        kv_len = int(positions.max()) + 1
-        self.cache.decode(positions, kv_len)
-        mask = (torch.arange(kv_len)[None, :] <= positions[:, None])[:, None, None, :]
-        tokens = torch.tensor([[s.out_ids[-1]] for s in seqs])
-        out = self.model(input_ids=tokens, position_ids=positions[:, None], attention_mask=mask,
-                         past_key_values=self.cache, use_cache=True)
+        logits = self._forward_decode([s.out_ids[-1] for s in seqs], torch.tensor([s.kv_len for s in seqs]))
         for s in seqs:
             s.kv_len += 1
         self.stats["steps"] += 1
-        self._sample_and_append(seqs, out.logits[:, -1])
+        self._sample_and_append(seqs, logits)
         self._retire_finished()
 
     def _sample_and_append(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        if self._sample_work.numel() < logits.numel():
+            self._sample_work = torch.empty(logits.numel())
         tokens, logprobs = sample_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                         self._generator)
+                                         self._generator, self._sample_work)
         for seq, tok, lp in zip(seqs, tokens, logprobs):
             seq.out_ids.append(tok)
             seq.logprobs.append(lp)

@@ -1,11 +1,12 @@
 """Batched token sampling with per-row settings and per-row random streams.
 
 Each row draws ONE uniform number u from its own generator and takes the first token whose cumulative
-probability exceeds u * total (inverse-CDF sampling). Drawing u from a per-request generator makes a seeded
-request sample the same tokens whatever other requests share its batch, which keeps runs reproducible when
-the continuous batch changes shape. One number per row, instead of a noise value per vocabulary entry (the
-Gumbel-max trick), is what makes sampling cheap next to the forward: with 256 rows and a 49k vocabulary the
-Gumbel noise alone cost more than the rest of sampling (bench/rollout.py, docs/benchmarks.md).
+probability exceeds u * total (inverse-CDF sampling, in two levels: block sums, then inside one block).
+Drawing u from a per-request generator makes a seeded request sample the same tokens whatever other
+requests share its batch, which keeps runs reproducible when the continuous batch changes shape. One number
+per row, instead of a noise value per vocabulary entry (the Gumbel-max trick), is what makes sampling cheap
+next to the forward: with 256 rows and a 49k vocabulary the Gumbel noise alone cost more than the rest of
+sampling (bench/rollout.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import torch
 
 from relayrl.engine.base import SamplingParams
+
+_BLOCK = 256  # vocabulary entries per first-level block of _inverse_cdf
 
 
 def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -37,12 +40,27 @@ def _uniforms(rows: int, generators: list[torch.Generator | None], default: torc
     return torch.cat([torch.rand(1, generator=g or default) for g in generators])
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Per row, the first token whose cumulative probability exceeds u * total: a token of probability 0
-    adds nothing to the cumulative sum, so it can never be the first to exceed it."""
-    cdf = probs.cumsum(dim=-1)
-    target = (u * cdf[:, -1]).clamp_(max=cdf[:, -1] * (1 - 1e-6))  # stay below the total despite rounding
-    return torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of unnormalised `weights` [rows, vocab], the first token whose cumulative weight exceeds u * total.
+
+    Two levels, because a cumulative sum over a 49k vocabulary is a slow sequential scan: sums of blocks of
+    _BLOCK tokens (a fast reduction) pick the block, then a short scan inside it picks the token. A token of
+    weight 0 adds nothing to either sum, so it can never be the first to exceed the target.
+    """
+    rows, vocab = weights.shape
+    full = vocab // _BLOCK * _BLOCK
+    sums = weights[:, :full].reshape(rows, -1, _BLOCK).sum(-1)
+    if full < vocab:
+        sums = torch.cat([sums, weights[:, full:].sum(-1, keepdim=True)], dim=1)
+    cdf = sums.cumsum(dim=-1)
+    total = cdf[:, -1]
+    target = torch.minimum(u * total, total * (1 - 1e-6))  # stay below the total despite rounding
+    block = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1).clamp_(max=cdf.shape[1] - 1)
+    before = torch.where(block > 0, cdf.gather(1, (block - 1).clamp(min=0)[:, None]).squeeze(-1), 0.0)
+    cols = block[:, None] * _BLOCK + torch.arange(_BLOCK)
+    inside = weights.gather(1, cols.clamp(max=vocab - 1)).masked_fill_(cols >= vocab, 0.0).cumsum(dim=-1)
+    rest = torch.minimum(target - before, inside[:, -1] * (1 - 1e-6))  # the two sums may round differently
+    return block * _BLOCK + torch.searchsorted(inside, rest[:, None], right=True).squeeze(-1).clamp_(max=_BLOCK - 1)
 
 
 def sample_tokens(
@@ -50,27 +68,36 @@ def sample_tokens(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
+    work: torch.Tensor | None = None,
 ) -> tuple[list[int], list[float]]:
     """Sample one token per row of `logits` [rows, vocab]; return tokens and their logprobs.
 
-    The logprob is log_softmax(logits / T)[token] (T = 1 for greedy rows), i.e. before top-k/top-p.
+    The logprob is log_softmax(logits / T)[token] (T = 1 for greedy rows), i.e. before top-k/top-p, computed
+    in fp32 as (logit - max) / T - log(sum(exp((logits - max) / T))). `work`, a float32 tensor of at least
+    rows * vocab elements kept by the caller, holds the probabilities: a fresh 50 MB tensor every decode step
+    costs more in page faults than the arithmetic (measured 15 ms vs 8 ms at 256 x 49k).
     """
     temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
-    scaled = logits.float() if bool((temps == 1).all()) else logits.float() / temps[:, None]
-    # log(softmax) rather than log_softmax: one pass less, and fp32 keeps a sampled token's log-probability
-    # to ~1e-7 (a token too unlikely for that can only be chosen by argmax, which picks the likeliest)
-    probs = torch.softmax(scaled, dim=-1)
     greedy = torch.tensor([p.greedy for p in params])
+    top = logits.max(dim=-1, keepdim=True).values.float()
+    if work is None or work.numel() < logits.numel():
+        work = torch.empty(logits.numel())
+    weights = work[: logits.numel()].view(logits.shape).copy_(logits).sub_(top)
+    if not bool((temps == 1).all()):
+        weights.div_(temps[:, None])
+    weights.exp_()  # exp((logits - max) / T): unnormalised probabilities, at most 1
     if bool(greedy.all()):
-        tokens = scaled.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)
     else:
         top_k = torch.tensor([p.top_k for p in params])
         top_p = torch.tensor([p.top_p for p in params])
-        filtered = probs
+        filtered = weights
         if bool((top_k > 0).any() or (top_p < 1).any()):
+            scaled = logits.float() / temps[:, None]
             filtered = _filter_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
         tokens = _inverse_cdf(filtered, _uniforms(len(params), generators, default_generator))
         if bool(greedy.any()):
-            tokens = torch.where(greedy, scaled.argmax(dim=-1), tokens)
-    chosen = probs.gather(-1, tokens[:, None]).squeeze(-1).log()
+            tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    chosen = (logits.gather(-1, tokens[:, None]).squeeze(-1).float() - top.squeeze(-1)) / temps
+    chosen -= weights.sum(dim=-1).log()
     return tokens.tolist(), chosen.tolist()

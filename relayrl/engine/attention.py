@@ -1,0 +1,131 @@
+"""Decode-step attention for LocalEngine: a small C kernel over the slot KV cache, with SDPA as the fallback.
+
+Why a kernel: at a rollout's shape (hundreds of sequences, one new token each, grouped-query heads) PyTorch's
+CPU SDPA spends most of its time on per-(sequence, head) overhead and reaches ~9 GB/s on a machine that reads
+40 GB/s; attention was 61% of a decode step (docs/benchmarks.md). `kernels/decode_attention.c` reads every key
+and value row once, for all query heads that share it, and also writes the step's new key/value (no separate
+index_put). It is compiled once per machine with the system C compiler into `cache_dir()/kernels` (by a temp
+file and a rename, so concurrent processes never load a half-written library) and loaded with ctypes, which
+releases the GIL during the call. Without a compiler, or with RELAYRL_KERNELS=0, LocalEngine uses SDPA.
+
+The model reaches the kernel through transformers' AttentionInterface: `install(model)` switches an SDPA model to
+the "relayrl_slots" implementation, which is SDPA unless the call carries `relayrl_cache` (a SlotKVCache in fused
+decode mode): other uses of the same model (the trainer's forward, prefill) are unchanged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+NAME = "relayrl_slots"
+_SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_LIBS = ["-lmvec", "-lm"]  # -ffast-math vectorises expf through glibc's vector math library
+_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_MAX_G, _MAX_D = 16, 256  # the kernel's stack buffers (kernels/decode_attention.c)
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags: the library is built with -march=native, so it must not follow a shared
+    cache folder onto a machine with other instructions."""
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build() -> Path:
+    from relayrl.models import cache_dir
+
+    cc = os.environ.get("CC", "cc")
+    src = _SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([src, " ".join([cc, *_CFLAGS, *_LIBS]).encode(), _cpu_flags().encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"decode_attention-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.stem}.{os.getpid()}.so")
+        proc = subprocess.run([cc, *_CFLAGS, str(_SOURCE), "-o", str(tmp), *_LIBS],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise OSError(f"{cc} failed on {_SOURCE.name}: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    return target
+
+
+@functools.cache
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (logged once) when it cannot be built or is switched off."""
+    if os.environ.get("RELAYRL_KERNELS", "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("decode-attention kernel unavailable, LocalEngine uses PyTorch SDPA: %s", e)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for name in _DTYPES.values():
+        fn = getattr(lib, f"relayrl_decode_attention_{name}")
+        fn.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr,
+                       ctypes.c_float, ptr, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def kernel_supports(dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int) -> bool:
+    return dtype in _DTYPES and num_heads % kv_heads == 0 and num_heads // kv_heads <= _MAX_G and head_dim <= _MAX_D
+
+
+def decode_attention(lib: ctypes.CDLL, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Write key/value [n, kvh, 1, D] at `positions` of slots 0..n-1 of the caches [slots, kvh, M, D], then
+    attend query [n, H, 1, D] over positions 0..positions[i]; returns [n, 1, H, D] (HF's layout after attention)."""
+    n, heads, _, dim = query.shape
+    kvh = key.shape[1]
+    assert query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and positions.dtype == torch.int64
+    out = torch.empty(n, 1, heads, dim, dtype=query.dtype)
+    fn = getattr(lib, f"relayrl_decode_attention_{_DTYPES[query.dtype]}")
+    rc = fn(n, kvh, heads // kvh, dim, query.data_ptr(), query.stride(0), query.stride(1),
+            key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1),
+            k_cache.data_ptr(), v_cache.data_ptr(),
+            k_cache.stride(0), k_cache.stride(1), positions.data_ptr(), scale, out.data_ptr(),
+            torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"decode-attention kernel refused heads={heads} kv_heads={kvh} head_dim={dim}")
+    return out
+
+
+def slot_attention(module, query, key, value, attention_mask, scaling=None, relayrl_cache=None, **kwargs):
+    """transformers attention function: the kernel for a fused decode step, SDPA for everything else."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if relayrl_cache is None or not relayrl_cache.fused:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    if kwargs.get("sliding_window") or kwargs.get("softcap"):
+        raise RuntimeError("relayrl's decode kernel has no sliding window or softcap")
+    return relayrl_cache.attend(module.layer_idx, query, key, value, scaling or query.shape[-1] ** -0.5), None
+
+
+def install(model: torch.nn.Module) -> bool:
+    """Route `model`'s attention through slot_attention; False (model untouched) unless it runs SDPA."""
+    from transformers import AttentionInterface
+
+    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", NAME):
+        return False
+    AttentionInterface.register(NAME, slot_attention)
+    model.set_attn_implementation(NAME)
+    return model.config._attn_implementation == NAME
