@@ -19,6 +19,7 @@ from typing import Any
 from relayrl.agents.base import Agent
 from relayrl.data.manager import DataManager
 from relayrl.scheduler import AsyncScheduler, SyncScheduler
+from relayrl.utils import release_openmp_threads
 
 
 class Env:
@@ -35,6 +36,7 @@ class Env:
     def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """Run a coroutine on the Env's loop and wait for it; Ctrl-C cancels it."""
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        release_openmp_threads()  # this thread waits while engines compute (a LocalEngine's worker thread)
         try:
             return future.result()
         except BaseException:

@@ -99,3 +99,35 @@ def test_a_compiler_failure_is_a_warning_not_an_error(tmp_path, monkeypatch, cap
     assert not list((tmp_path / "kernels").iterdir())  # no half-written library left behind
     monkeypatch.setenv("RELAYRL_KERNELS", "0")
     assert attention.load_kernel.__wrapped__() is None
+
+
+RELEASE_SCRIPT = r"""
+import os, threading, time
+import torch
+from relayrl.utils import release_openmp_threads
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+torch.set_num_threads(3)
+base = threads()
+torch.randn(1_000_000).mul_(2)  # a parallel op: this thread's OpenMP team starts 2 workers
+with_team = threads()
+release_openmp_threads()
+deadline = time.time() + 5
+while threads() > base and time.time() < deadline:
+    time.sleep(0.01)
+print(base, with_team, threads())
+"""
+
+
+def test_a_waiting_thread_gives_its_openmp_workers_back():
+    """Two threads each owning an OpenMP team on few cores make libgomp stop spinning (7-8x slower small
+    ops in the engine's decode step); release_openmp_threads ends the caller's team."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", RELEASE_SCRIPT], capture_output=True, text=True, timeout=120,
+                         check=True).stdout.split()
+    base, with_team, after = map(int, out)
+    assert with_team == base + 2 and after == base

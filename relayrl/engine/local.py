@@ -32,6 +32,7 @@ from relayrl.engine.base import GenOutput, SamplingParams
 from relayrl.engine.kv_cache import SlotKVCache
 from relayrl.engine.sampling import sample_tokens
 from relayrl.trainer.lora import is_adapter_name, merge_into
+from relayrl.utils import release_openmp_threads
 
 
 @dataclass
@@ -95,6 +96,7 @@ class LocalEngine:
                       "reused_tokens": 0, "aborted": 0}
         if attention != "sdpa":
             self._use_kernel(attention == "kernel", cfg.num_attention_heads, kv_heads, head_dim)
+        release_openmp_threads()  # the caller (which loaded the model) now waits while the worker decodes
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str = "bfloat16", **kwargs) -> LocalEngine:
@@ -132,6 +134,7 @@ class LocalEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenOutput]:
         """Blocking batch generation (convenience for scripts and tests)."""
         futures = [self.submit(p, params) for p in prompts]
+        release_openmp_threads()
         return [f.result() for f in futures]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -265,6 +268,8 @@ class LocalEngine:
     def _run(self) -> None:
         while True:
             with self._cond:
+                if self._closed or self._paused or not (self._waiting or self._active):
+                    release_openmp_threads()  # idle: leave the cores' OpenMP to the trainer's thread
                 while not self._closed and (self._paused or not (self._waiting or self._active)):
                     self._cond.wait()
                 if self._closed:
