@@ -36,8 +36,8 @@ class Env:
     def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """Run a coroutine on the Env's loop and wait for it; Ctrl-C cancels it."""
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        release_openmp_threads()  # this thread waits while engines compute (a LocalEngine's worker thread)
         try:
+            release_openmp_threads()  # this thread waits while engines compute (a LocalEngine's worker thread)
             return future.result()
         except BaseException:
             future.cancel()

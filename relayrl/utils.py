@@ -112,7 +112,8 @@ def release_openmp_threads() -> None:
     Each Python thread that runs torch ops owns an OpenMP team. Once libgomp manages more threads than there
     are CPUs (the engine's worker and the trainer's thread, two teams of two on two cores), it stops spinning
     between parallel regions and every small op pays a futex wake-up: measured 7-8x slower elementwise ops and
-    a third of a decode step. A thread about to idle gives its team back; its next op builds a new one (~0.1 ms).
+    a third of a decode step. A thread about to wait gives its team back; its next op builds a new one (~0.1 ms).
+    Called only by a thread about to block (LocalEngine's creator, Env.run), never under a lock.
     """
     import torch  # noqa: F401 - libgomp is torch's; load it before looking for it
 

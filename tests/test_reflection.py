@@ -68,7 +68,7 @@ def test_multi_turn_trajectory_is_token_exact(parts, mode):
     prompt = tok(tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=False,
                                          add_generation_prompt=True))["input_ids"]
     samples = run(agent, [Sample(prompt_ids=list(prompt), group_id="g", index=i) for i in range(12)])
-    assert {len(s.turns) for s in samples} >= {1, 2}  # turns vary per sample
+    assert len({len(s.turns) for s in samples}) >= 2  # turns vary per sample
     for s in samples:
         calls = ctl.calls[s.uid]
         assert len(calls) == len(s.turns)

@@ -96,7 +96,8 @@ class LocalEngine:
                       "reused_tokens": 0, "aborted": 0}
         if attention != "sdpa":
             self._use_kernel(attention == "kernel", cfg.num_attention_heads, kv_heads, head_dim)
-        release_openmp_threads()  # the caller (which loaded the model) now waits while the worker decodes
+        # before the worker's first op: the caller (which loaded the model) waits while the worker decodes
+        release_openmp_threads()
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str = "bfloat16", **kwargs) -> LocalEngine:
@@ -134,7 +135,6 @@ class LocalEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenOutput]:
         """Blocking batch generation (convenience for scripts and tests)."""
         futures = [self.submit(p, params) for p in prompts]
-        release_openmp_threads()
         return [f.result() for f in futures]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -268,8 +268,6 @@ class LocalEngine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                if self._closed or self._paused or not (self._waiting or self._active):
-                    release_openmp_threads()  # idle: leave the cores' OpenMP to the trainer's thread
                 while not self._closed and (self._paused or not (self._waiting or self._active)):
                     self._cond.wait()
                 if self._closed:
