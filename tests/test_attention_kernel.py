@@ -90,6 +90,19 @@ def test_without_the_kernel_the_engine_uses_sdpa_and_kernel_mode_says_why(tiny_p
     fp16.close()
 
 
+@needs_cc
+def test_a_model_whose_layers_bypass_the_kernel_is_caught_at_construction(tiny_path, monkeypatch):
+    """If the model's attention never reaches slot_attention (here: it stays plain SDPA), a fused step would
+    attend over the new token alone; the construction-time decode fails (here SDPA's mask no longer fits; else
+    the count of kernel layers) and the engine falls back instead of failing."""
+    monkeypatch.setattr(attention, "install", lambda model: True)  # claims success, routes nothing
+    eng = LocalEngine(load_model(tiny_path, dtype="float32"), eos_token_ids=[])
+    assert eng.attention == "sdpa"
+    eng.close()
+    with pytest.raises(RuntimeError, match="engine.attention=kernel: "):
+        LocalEngine(load_model(tiny_path, dtype="float32"), eos_token_ids=[], attention="kernel")
+
+
 def test_a_compiler_failure_is_a_warning_not_an_error(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("RELAYRL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails

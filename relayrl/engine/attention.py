@@ -25,6 +25,7 @@ import subprocess
 from pathlib import Path
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +112,6 @@ def decode_attention(lib: ctypes.CDLL, query: torch.Tensor, key: torch.Tensor, v
 
 def slot_attention(module, query, key, value, attention_mask, scaling=None, relayrl_cache=None, **kwargs):
     """transformers attention function: the kernel for a fused decode step, SDPA for everything else."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if relayrl_cache is None or not relayrl_cache.fused:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     if kwargs.get("sliding_window") or kwargs.get("softcap"):

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import torch
 
+from relayrl.engine.attention import decode_attention
+
 
 class SlotKVCache:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 slots: int = 8, length: int = 256, kernel=None):
-        self.kernel = kernel  # the decode-attention library (relayrl.engine.attention.load_kernel) or None
+                 slots: int = 8, length: int = 256):
+        self.kernel = None  # the decode-attention library (relayrl.engine.attention.load_kernel), set by the engine
         self.fused = False  # the current decode step runs attention through the kernel
         self.attended = 0  # layers the kernel served in the current fused step (checked by the engine)
         self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
@@ -66,16 +68,15 @@ class SlotKVCache:
         for t, s in zip(self.k + self.v, saved):
             t[slot, :, : s.shape[1]] = s
 
-    def decode(self, positions: torch.Tensor, kv_len: int, fused: bool = False) -> None:
-        """Next forward feeds one token per active slot 0..n-1, written at `positions` [n] (int64)."""
+    def decode(self, positions: torch.Tensor, kv_len: int) -> None:
+        """Next forward feeds one token per active slot 0..n-1, written at `positions` [n] (int64); it is fused
+        (the kernel writes and attends) whenever the engine set a kernel."""
         self._mode = ("decode", positions, kv_len)
-        self.fused, self.attended = fused and self.kernel is not None, 0
+        self.fused, self.attended = self.kernel is not None, 0
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scale: float) -> torch.Tensor:
         """Fused decode: store this step's key/value and attend over each slot's positions (the kernel)."""
-        from relayrl.engine.attention import decode_attention
-
         self.attended += 1
         return decode_attention(self.kernel, query, key, value, self.k[layer_idx], self.v[layer_idx],
                                 self._mode[1], scale)

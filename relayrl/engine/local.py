@@ -250,12 +250,13 @@ class LocalEngine:
             why = f"the model's attention ({self.model.config._attn_implementation}) is not SDPA"
         else:
             self.cache.kernel = lib
-            with torch.inference_mode():
-                self._prefill([0, 0], 0)
-                self._forward_decode([0], torch.tensor([2]))
+            try:  # _forward_decode checks that every layer's attention went through the kernel
+                with torch.inference_mode():
+                    self._prefill([0, 0], 0)
+                    self._forward_decode([0], torch.tensor([2]))
+            except RuntimeError as e:
+                self.cache.kernel, why = None, str(e)
             self.stats.update(prefill_tokens=0, prefills=0)
-            if self.cache.attended != self.model.config.num_hidden_layers:
-                self.cache.kernel, why = None, "the model's layers do not pass relayrl_cache to attention"
         if why and required:
             raise RuntimeError(f"engine.attention=kernel: {why}")
 
@@ -369,13 +370,12 @@ class LocalEngine:
     def _forward_decode(self, tokens: list[int], positions: torch.Tensor) -> torch.Tensor:
         """One token for each of slots 0..n-1 at `positions`; returns the logits [n, vocab]."""
         kv_len = int(positions.max()) + 1
-        fused = self.cache.kernel is not None
-        self.cache.decode(positions, kv_len, fused=fused)
+        self.cache.decode(positions, kv_len)
         mask = (torch.arange(kv_len)[None, :] <= positions[:, None])[:, None, None, :]
-        extra = {"relayrl_cache": self.cache} if fused else {}
+        extra = {"relayrl_cache": self.cache} if self.cache.fused else {}
         out = self.model(input_ids=torch.tensor(tokens)[:, None], position_ids=positions[:, None],
                          attention_mask=mask, past_key_values=self.cache, use_cache=True, **extra)
-        if fused and self.cache.attended != self.model.config.num_hidden_layers:
+        if self.cache.fused and self.cache.attended != self.model.config.num_hidden_layers:
             raise RuntimeError(f"decode kernel ran for {self.cache.attended} of the model's layers")
         return out.logits[:, -1]
 
