@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -200,6 +201,7 @@ def run_side(a) -> None:
     with tempfile.TemporaryDirectory(prefix=f"bench_{a.side}_") as tmp:
         res = run_relayrl(a, tmp) if a.side == "relayrl" else run_trl(a, tmp, bf16=a.side == "trl_bf16")
     res["threads"] = torch.get_num_threads()
+    res["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 3)  # Linux: KiB
     _common.write_json(a.result_file, res)
 
 
@@ -240,6 +242,7 @@ def summarize(a, runs: list[dict]) -> dict:
            "reward_mean": statistics.fmean(s["reward_mean"] for s in measured),
            "optimizer_steps_per_step": sorted({s["optimizer_steps"] for r in runs for s in r["steps"]}),
            "threads": sorted({r["threads"] for r in runs}), "process_s": [r["process_s"] for r in runs],
+           "peak_rss_gb": max(r.get("peak_rss_gb", 0.0) for r in runs),
            "settings": runs[0]["settings"], "prompts_sha_per_step": [s["prompts_sha"] for s in runs[0]["steps"]]}
     if "weight_sync_s" in measured[0]:
         out["weight_sync_s_median"] = statistics.median(s["weight_sync_s"] for s in measured)

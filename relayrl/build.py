@@ -6,6 +6,7 @@ class) is checked before any model weights are loaded, so a typo costs seconds, 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from relayrl.engine.local import LocalEngine
 from relayrl.engine.remote import RemoteEngine
 from relayrl.env import Env
 from relayrl.evaluator import Evaluator
+from relayrl.hardware import resolve_dtype
 from relayrl.judge import Judge
 from relayrl.launcher import ManagedServer, free_port, make_server
 from relayrl.metrics import MetricsLogger
@@ -82,6 +84,13 @@ class Components:
         if self.producer is not None:
             return self.producer.get_batch(version)
         return self.env.get_batch(self.data, version)
+
+    def release_rollout_memory(self) -> int:
+        """Colocated sync RL: the engines here idle until the weight sync, so their KV cache and weights (not
+        LoRA base weights: only adapters are synced) make room for training (engine.release_during_train)."""
+        if self.producer is not None or not self.cfg.engine.release_during_train:
+            return 0
+        return self.rollout_ctl.release_memory(weights=not self.cfg.model.lora_rank)
 
     def relay_weights(self) -> float:
         """Send the trained weights to the rollout side (engines here, or the producer); returns seconds."""
@@ -153,6 +162,7 @@ def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) 
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    cfg = resolve_precision(cfg, quiet=role == "producer")
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     if cfg.run.threads:
@@ -174,6 +184,20 @@ def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) 
     except BaseException:
         judge.close()
         raise
+
+
+def resolve_precision(cfg: Config, quiet: bool = False) -> Config:
+    """engine.dtype "auto" -> what this machine runs natively (relayrl.hardware); model.autocast_bf16 "auto" ->
+    the engine's precision (bf16 autocast when the engine runs bf16), so trainer and engine logprobs agree as
+    closely as they can. The choice and its reason are printed once; config.yaml records the resolved values."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype, why = resolve_dtype(cfg.engine.dtype, device)
+    autocast = dtype == "bfloat16" if cfg.model.autocast_bf16 == "auto" else bool(cfg.model.autocast_bf16)
+    if not quiet and "auto" in (cfg.engine.dtype, cfg.model.autocast_bf16):
+        print(f"precision: engine {dtype}, trainer {cfg.model.train_dtype}{' + bf16 autocast' if autocast else ''} "
+              f"({why})")
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, dtype=dtype),
+                               model=dataclasses.replace(cfg.model, autocast_bf16=autocast))
 
 
 def _run_folder(cfg: Config, resume: bool) -> tuple[Path, Path | None]:
@@ -207,6 +231,7 @@ def _build_trainer(cfg: Config) -> Components:
 
 def build_follower(cfg: Config) -> TrainController:
     """A rank > 0 of train.engine=fsdp: only its shard of the trainer (see relayrl.trainer.leader)."""
+    cfg = resolve_precision(cfg, quiet=True)
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     model_path = resolve_model_path(cfg.model.path)
@@ -228,14 +253,15 @@ def _build_with_judge(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judg
     prompt_fn = PromptBuilder(tokenizer, cfg.data.prompt)
     eos = eos_token_ids(tokenizer, model_path)
     servers = launch_servers(cfg, model_path, run_dir)
+    train_ctl = _train_controller(cfg, model_path, _pad_id(tokenizer, eos)) if role == "colocated" else None
+    shared = train_ctl.engine.model if train_ctl is not None and shares_weights(cfg) else None
     try:
-        engines = make_engines(cfg, model_path, eos, run_dir, [s.url for s in servers])
+        engines = make_engines(cfg, model_path, eos, run_dir, [s.url for s in servers], shared_model=shared)
     except BaseException:
         for server in servers:
             server.stop()
         raise
     rollout_ctl = RolloutController(engines, partial_rollout=cfg.scheduler.partial_rollout)
-    train_ctl = _train_controller(cfg, model_path, _pad_id(tokenizer, eos)) if role == "colocated" else None
     agent = agent_cls(rollout_ctl, tokenizer, sampling_params(cfg), judge, **cfg.agent.kwargs)
     env = Env(agent, make_scheduler(cfg, rollout_ctl), SyncScheduler(cfg.agent.timeout))
     data = None
@@ -282,14 +308,27 @@ def launch_servers(cfg: Config, model_path: str, run_dir: Path) -> list[ManagedS
     return servers
 
 
-def make_engines(cfg: Config, model_path: str, eos: list[int], run_dir: Path,
-                 launched: list[str]) -> list[LocalEngine | RemoteEngine]:
-    """LocalEngines in this process, or one RemoteEngine per server address (checked healthy up front)."""
+def shares_weights(cfg: Config) -> bool:
+    """Whether the local engine can run on the trainer's own model (engine.share_trainer_weights): only when
+    nothing generates while the trainer changes the weights (sync, one engine in this process) and both want the
+    same tensors (same dtype, full-parameter training on the local trainer)."""
+    e = cfg.engine
+    return (e.share_trainer_weights and e.kind == "local" and e.num_engines == 1 and cfg.scheduler.mode == "sync"
+            and cfg.scheduler.placement != "separate" and e.dtype == cfg.model.train_dtype
+            and not cfg.model.lora_rank and cfg.train.engine == "local")
+
+
+def make_engines(cfg: Config, model_path: str, eos: list[int], run_dir: Path, launched: list[str],
+                 shared_model: torch.nn.Module | None = None) -> list[LocalEngine | RemoteEngine]:
+    """LocalEngines in this process (on `shared_model`, the trainer's, when given), or one RemoteEngine per
+    server address (checked healthy up front)."""
     e = cfg.engine
     if e.kind == "local":
         kw = dict(eos_token_ids=eos, max_batch_size=e.max_batch_size, max_seq_len=e.max_seq_len,
                   max_tokens_in_flight=e.max_tokens_in_flight, prefix_cache_size=e.prefix_cache_size,
                   kv_on_update=e.kv_on_update, attention=e.attention)
+        if shared_model is not None:
+            return [LocalEngine(shared_model, seed=cfg.run.seed, owns_weights=False, **kw)]
         return [LocalEngine(load_model(model_path, dtype=e.dtype), seed=cfg.run.seed + i, **kw)
                 for i in range(e.num_engines)]
     weights_dir = e.weights_dir or str(run_dir / "weights")

@@ -140,7 +140,8 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--model", required=True, help="model folder or alias (smollm2)")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int, default=30000, help="port (0: any free port; the ready line says which)")
-    sv.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    sv.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                    help="auto: bfloat16 where this machine's bf16 matmuls are native, else float32")
     sv.add_argument("--max-batch-size", type=int, default=64, help="most sequences decoded together")
     sv.add_argument("--max-seq-len", type=int, help="prompt + output limit (default: the model's)")
     sv.add_argument("--max-tokens-in-flight", type=int, help="admission budget of prompt + max_new_tokens")

@@ -30,6 +30,7 @@ def train_colocated(c: Components) -> dict[str, float]:
         if c.trajectories is not None:
             c.trajectories.log(batch, step)
         metrics |= rollout_metrics(batch)
+        c.release_rollout_memory()
         metrics |= c.train_ctl.fit(batch)
         metrics["time/weight_sync_s"] = c.relay_weights()
         metrics |= _perf(c, metrics, time.perf_counter() - t0)

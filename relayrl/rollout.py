@@ -106,6 +106,11 @@ class RolloutController:
         self.stats["weight_updates"] += 1
         self.stats["weight_update_s"] += time.perf_counter() - t0
 
+    def release_memory(self, weights: bool = True) -> int:
+        """Ask in-process engines to give back their KV cache (and weights) while the trainer runs beside them;
+        the next update_weights restores them. Engines in other processes keep theirs. Returns bytes released."""
+        return sum(e.release_memory(weights) for e in self.engines if hasattr(e, "release_memory"))
+
     def pause(self) -> None:
         for e in self.engines:
             e.pause()

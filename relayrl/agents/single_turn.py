@@ -8,7 +8,8 @@ from relayrl.sample import Sample, Status
 
 class SingleTurnAgent(Agent):
     async def generate_sample(self, sample: Sample) -> Sample:
-        out = await self.rollout_ctl.generate(sample.prompt_ids, self.params_for(sample), rid=sample.uid)
+        # no rid: a one-turn trajectory has no next turn to route or to keep its KV cache for
+        out = await self.rollout_ctl.generate(sample.prompt_ids, self.params_for(sample))
         sample.append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason)
         sample.response_text = self.decode(out.output_ids)
         if self.judge is not None:

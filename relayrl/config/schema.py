@@ -73,7 +73,9 @@ PresetName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_ba
 class ModelConfig:
     path: str = "smollm2"  # a local HF folder, or an alias prepared on first use (smollm2)
     train_dtype: Literal["float32", "bfloat16"] = "float32"
-    autocast_bf16: bool = False  # bf16 autocast for trainer forward/backward (fp32 master weights)
+    # bf16 autocast for trainer forward/backward (fp32 master weights); auto: on when the engine runs bf16
+    # (engine.dtype auto picks bf16 only where it is native), so trainer and engine logprobs match closely
+    autocast_bf16: bool | Literal["auto"] = "auto"
     gradient_checkpointing: bool = False
     # LoRA (peft): train low-rank adapters only; only they travel to the engines (relayrl/trainer/lora.py)
     lora_rank: int = 0  # 0: off (full-parameter training)
@@ -102,13 +104,20 @@ class ModelConfig:
 @dataclass
 class EngineConfig:
     kind: Literal["local", "remote"] = "local"  # remote: inference servers over HTTP (RemoteEngine)
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    # auto: bfloat16 where bf16 matmuls are native, else float32 (relayrl.hardware; the choice is logged at start)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_batch_size: int = 64  # sequences decoded together
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
     num_engines: int = 1
     max_tokens_in_flight: int | None = None  # admit requests while sum(prompt + max_new_tokens) fits
     prefix_cache_size: int = 64  # finished trajectories whose KV is kept for their next turn
     kv_on_update: Literal["recompute", "keep"] = "recompute"  # KV of running sequences after a weight update
+    # colocated synchronous runs: local engines give back their KV cache and weights while the trainer trains
+    # (the weight sync after the step restores them), so generation's and training's peaks never add up
+    release_during_train: bool = True
+    # one model object for engine and trainer when both run in the same dtype (sync, colocated, one local engine,
+    # a local full-parameter trainer): no second copy of the weights, and the weight sync copies nothing
+    share_trainer_weights: bool = True
     # decode-step attention of local engines: kernel = relayrl's C kernel (built once with the system compiler),
     # sdpa = PyTorch's; auto = the kernel when it builds and fits the model, else sdpa
     attention: Literal["auto", "kernel", "sdpa"] = "auto"

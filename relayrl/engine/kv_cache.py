@@ -45,6 +45,13 @@ class SlotKVCache:
             new[: self.slots, :, : self.length] = old
         self.k, self.v, self.slots, self.length = new_k, new_v, new_slots, new_len
 
+    def release(self) -> int:
+        """Drop every slot (the memory goes back to the allocator); `ensure` grows it again on the next
+        admission. Returns the bytes released."""
+        freed = self.nbytes()
+        self.k, self.v, self.slots, self.length = [], [], 0, 0
+        return freed
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 

@@ -63,7 +63,8 @@ class LocalEngine:
 
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: Iterable[int], max_batch_size: int = 64,
                  max_seq_len: int | None = None, seed: int = 0, max_tokens_in_flight: int | None = None,
-                 prefix_cache_size: int = 64, kv_on_update: str = "recompute", attention: str = "auto"):
+                 prefix_cache_size: int = 64, kv_on_update: str = "recompute", attention: str = "auto",
+                 owns_weights: bool = True):
         if kv_on_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_update must be 'recompute' or 'keep', got {kv_on_update!r}")
         if attention not in ("auto", "kernel", "sdpa"):
@@ -79,6 +80,9 @@ class LocalEngine:
         self._params = dict(model.named_parameters())
         self._state = model.state_dict(keep_vars=True)  # also holds tied aliases (lm_head.weight)
         self._lora_base: dict[str, torch.Tensor] = {}  # adapted weights before their first LoRA merge
+        self._released: dict[int, tuple] = {}  # id -> (parameter, shape) of weights emptied by release_memory
+        # False when the model is the trainer's own (colocated sync RL in the trainer's dtype): never released
+        self.owns_weights = owns_weights
         self._generator = torch.Generator().manual_seed(seed)
         self._sample_work = torch.empty(0)  # sampling's float32 scratch, grown to the largest batch x vocab
         self.max_tokens_in_flight, self.kv_on_update = max_tokens_in_flight, kv_on_update
@@ -144,15 +148,24 @@ class LocalEngine:
         layers instead; full weights sent for a layer become its new base.
         """
         with self._step_lock, torch.no_grad():
-            adapters = {}
+            adapters, written = {}, set()
+            released, self._released = self._released, {}
+            for p, shape in released.values():  # weights given back by release_memory come back here
+                p.data = torch.empty(shape, dtype=p.dtype)
             for name, tensor in named_tensors:
                 if is_adapter_name(name):
                     adapters[name] = tensor
                     continue
                 if name not in self._state:
                     raise KeyError(f"engine model has no parameter {name!r}")
-                self._state[name].copy_(tensor)
+                dst = self._state[name]
+                if dst.data_ptr() != tensor.data_ptr():  # an engine sharing the trainer's weights has them already
+                    dst.copy_(tensor)
+                written.add(id(dst))
                 self._lora_base.pop(name, None)
+            if missing := [n for n, t in self._params.items() if id(t) in released and id(t) not in written]:
+                raise ValueError(f"the engine's weights were released and this update lacks {missing[:3]} "
+                                 f"({len(missing)} tensors): send every weight after release_memory(weights=True)")
             merge_into(self._state, adapters, self._lora_base)
             self._version = version
             self._parked.clear()  # parked KV was computed by the old weights
@@ -188,6 +201,23 @@ class LocalEngine:
                 _resolve(q, q.output("abort"))
             self.stats["aborted"] += len(hit) + len(slots)
             return len(hit) + len(slots)
+
+    def release_memory(self, weights: bool = True) -> int:
+        """Give back the KV cache, parked prefixes and (weights=True) the weight storage while the trainer in
+        this process needs the memory (colocated synchronous RL: the engine is idle while training). The next
+        `update_weights` must send every weight; it reallocates them. Returns the bytes released."""
+        with self._step_lock:
+            if self._active or self._waiting:
+                raise RuntimeError("release_memory: requests are running; it is for an idle engine")
+            self._parked.clear()
+            freed = self.cache.release()
+            if weights and self.owns_weights:
+                for p in self._params.values():
+                    if id(p) not in self._released:
+                        self._released[id(p)] = (p, p.shape)
+                        freed += p.numel() * p.element_size()
+                        p.data = torch.empty(0, dtype=p.dtype)
+            return freed
 
     def flush_cache(self) -> None:
         """Forget parked KV (finished trajectories' prefixes)."""

@@ -36,6 +36,7 @@ from fastapi import FastAPI
 
 from relayrl.agents.tool import parse_tool_calls, tools_system_prompt
 from relayrl.engine.base import GenOutput, SamplingParams
+from relayrl.hardware import resolve_dtype
 from relayrl.serve.native import BadRequest, ServerState, health, native_router, number
 from relayrl.serve.openai_api import chat_response, make_openai_app
 from relayrl.tools import Tool
@@ -243,7 +244,7 @@ class RelayServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, dtype: str = "bfloat16",
+def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, dtype: str = "auto",
           max_batch_size: int = 64, max_seq_len: int | None = None, max_tokens_in_flight: int | None = None,
           api_key: str | None = None, seed: int = 0, log_level: str = "info") -> None:
     """Load `model` (a folder or an alias) and serve it until SIGTERM / SIGINT. Port 0 picks a free port
@@ -252,6 +253,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, dtype: str 
     from relayrl.models import load_tokenizer, resolve_model_path
 
     path = resolve_model_path(model)
+    dtype, why = resolve_dtype(dtype)
+    print(f"relayrl serve: {dtype} ({why})", flush=True)
     engine = LocalEngine.from_pretrained(path, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                          max_tokens_in_flight=max_tokens_in_flight, seed=seed)
     state = ServerState(engine, load_tokenizer(path), path, api_key)

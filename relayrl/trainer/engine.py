@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from relayrl.trainer.algo import reduce_stats
+from relayrl.trainer.logprobs import token_logprobs
 from relayrl.trainer.lora import adapter_tensors, is_lora
 from relayrl.trainer.lora import wrap as wrap_lora
 from relayrl.trainer.packer import MicroBatch
@@ -28,7 +29,10 @@ class TrainEngine:
                  autocast_bf16: bool = False, gradient_checkpointing: bool = False):
         self.model = model
         params = [p for p in model.parameters() if p.requires_grad]
-        self.model.train(bool(params))  # a frozen model (the KL reference) only ever evaluates
+        # eval mode except inside train_step: a local engine may generate on this very model (shared weights),
+        # and dropout, LoRA dropout and gradient checkpointing belong to training only
+        self.model.eval()
+        self._trainable = bool(params)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.temperature = temperature if temperature > 0 else 1.0
@@ -55,23 +59,18 @@ class TrainEngine:
         return contextlib.nullcontext()
 
     def logprobs(self, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False):
-        """Logprobs of mb.targets under log_softmax(logits / temperature); entropy per token if asked."""
-        with self._autocast():
-            logits = self._logits(mb)
-        logits = logits.float()
-        lsm = torch.log_softmax(logits / self.temperature if self.temperature != 1.0 else logits, dim=-1)
-        logp = lsm.gather(-1, mb.targets[:, None]).squeeze(-1)
-        entropy = None
-        if with_entropy:
-            with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-                entropy = -(lsm.exp() * lsm).sum(-1)
-        return logp, entropy
+        """Logprobs of mb.targets under log_softmax(logits / temperature); entropy per token if asked.
 
-    def _logits(self, mb: MicroBatch) -> torch.Tensor:
-        """[N, vocab] logits at the trained positions only (hidden states gathered before the LM head)."""
+        The LM head runs in chunks of rows (relayrl.trainer.logprobs), so [tokens x vocab] logits are
+        never held whole, in training or in the old-policy and reference passes."""
+        with self._autocast():
+            return self._token_logprobs(mb, with_entropy, entropy_grad)
+
+    def _token_logprobs(self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool):
         hidden = self.model.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                                           position_ids=mb.position_ids, use_cache=False).last_hidden_state
-        return self.model.get_output_embeddings()(hidden[mb.rows, mb.cols])
+        return head_logprobs(self.model, hidden[mb.rows, mb.cols], mb.targets, self.temperature,
+                             with_entropy, entropy_grad)
 
     def forward_logprobs_all(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         """forward_logprobs of every micro-batch of a batch (data-parallel engines share the work out)."""
@@ -92,12 +91,22 @@ class TrainEngine:
         """One optimizer step over all micro-batches; loss_fn's weights make the sum the exact batch loss."""
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        per_mb = [self._micro_step(mb, loss_fn, with_entropy, entropy_grad) for mb in micro_batches
-                  if mb.num_tokens > 0]
+        with self.training_mode():
+            per_mb = [self._micro_step(mb, loss_fn, with_entropy, entropy_grad) for mb in micro_batches
+                      if mb.num_tokens > 0]
         stats = reduce_stats(per_mb, mean=False)  # loss weights already make these batch-level values
         stats.update(self._clip_and_step())
         stats["train_step_s"] = time.perf_counter() - t0
         return stats
+
+    @contextlib.contextmanager
+    def training_mode(self):
+        """The model in train mode for the forward/backward passes of a step, back in eval mode after."""
+        self.model.train(self._trainable)
+        try:
+            yield
+        finally:
+            self.model.eval()
 
     def _micro_step(self, mb: MicroBatch, loss_fn: LossFn, with_entropy: bool, entropy_grad: bool) -> dict:
         """Forward and backward of one micro-batch; gradients accumulate until `_clip_and_step`."""
@@ -115,6 +124,23 @@ class TrainEngine:
         if is_lora(self.model):
             return adapter_tensors(self.model)
         return ((name, p.detach()) for name, p in self.model.named_parameters())
+
+
+def head_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                  with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs (and entropies) of `targets` from final hidden states [N, H] through the model's LM head:
+    chunked for a plain bias-free linear head, else (a peft-wrapped head, a bias) the head's own forward."""
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear and head.bias is None:
+        return token_logprobs(hidden, head.weight, targets, temperature=temperature, with_entropy=with_entropy,
+                              entropy_grad=entropy_grad)
+    logits = head(hidden).float()
+    lsm = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+    logp = lsm.gather(-1, targets[:, None]).squeeze(-1)
+    if not with_entropy:
+        return logp, None
+    with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+        return logp, -(lsm.exp() * lsm).sum(-1)
 
 
 def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> dict[str, float]:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from relayrl.trainer.algo import reduce_stats
-from relayrl.trainer.engine import LossFn, TrainEngine
+from relayrl.trainer.engine import LossFn, TrainEngine, head_logprobs
 from relayrl.trainer.packer import MicroBatch, balance_ranks
 
 
@@ -75,10 +75,10 @@ class _TrainedPositions(torch.nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids, attention_mask, position_ids, rows, cols) -> torch.Tensor:
-        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                       position_ids=position_ids, use_cache=False).last_hidden_state
-        return self.lm.get_output_embeddings()(hidden[rows, cols])
+    def forward(self, mb: MicroBatch, temperature: float, with_entropy: bool, entropy_grad: bool):
+        hidden = self.lm.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                       position_ids=mb.position_ids, use_cache=False).last_hidden_state
+        return head_logprobs(self.lm, hidden[mb.rows, mb.cols], mb.targets, temperature, with_entropy, entropy_grad)
 
 
 class FSDPEngine(TrainEngine):
@@ -109,8 +109,8 @@ class FSDPEngine(TrainEngine):
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return super()._autocast()
 
-    def _logits(self, mb: MicroBatch) -> torch.Tensor:
-        return self.root(mb.input_ids, mb.attention_mask, mb.position_ids, mb.rows, mb.cols)
+    def _token_logprobs(self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool):
+        return self.root(mb, self.temperature, with_entropy, entropy_grad)
 
     def logprobs(self, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False):
         """As TrainEngine.logprobs, computed on this rank's device and returned on the CPU, where the
@@ -128,9 +128,10 @@ class FSDPEngine(TrainEngine):
         self._check_same_batch(mbs)
         split = balance_ranks(mbs, self.world_size)
         mine = [mbs[i] for i in split.ranks[self.rank]]
-        per_mb = [self._micro_step(mb, loss_fn, with_entropy, entropy_grad) for mb in mine]
-        for _ in range(split.steps - len(mine)):
-            self._empty_step()
+        with self.training_mode():
+            per_mb = [self._micro_step(mb, loss_fn, with_entropy, entropy_grad) for mb in mine]
+            for _ in range(split.steps - len(mine)):
+                self._empty_step()
         parts: list = [None] * self.world_size
         dist.all_gather_object(parts, reduce_stats(per_mb, mean=False))
         stats = reduce_stats(parts, mean=False)  # micro-batch shares of batch values add up across ranks

@@ -1,0 +1,127 @@
+"""What the hardware does natively, and the engine dtype chosen from it (`engine.dtype: auto`).
+
+Why measure: bf16 is 2-4x faster than fp32 where the CPU has AVX512-BF16 or AMX, and about 65x *slower* where
+it has only AVX2 (PyTorch then emulates it). torch's capability string does not tell the two apart ("AVX512"
+on both kinds of AVX-512 machine) and environment switches (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) change
+what the same CPU does. So: no bf16 flag in /proc/cpuinfo means no native bf16; otherwise a 256x256 matmul
+in both dtypes decides (a few milliseconds), cached per machine, torch version and those switches in
+~/.cache/relayrl/hardware.json. On CUDA, the device's own answer (torch.cuda.is_bf16_supported) is used.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from relayrl.models import cache_dir
+from relayrl.utils import atomic_write_text
+
+logger = logging.getLogger(__name__)
+
+_ENV_SWITCHES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class Bf16Support:
+    native: bool
+    reason: str  # one line for the start-up log: what was measured or read
+
+
+def cpu_info() -> dict[str, str]:
+    """CPU model, torch's capability, the bf16 flags and the env switches in force: recorded with every benchmark."""
+    model, flags = _cpuinfo()
+    info = {"cpu_model": model, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "bf16_flags": ",".join(f for f in _BF16_FLAGS if f in flags) or "none",
+            "torch": torch.__version__, "cores": str(os.cpu_count())}
+    info.update({k.lower(): os.environ[k] for k in _ENV_SWITCHES if k in os.environ})
+    return info
+
+
+@functools.cache
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    model, flags = platform.processor() or "unknown", frozenset()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return model, flags
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model in ("unknown", "", platform.processor()):
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = frozenset(value.split())
+    return model, flags
+
+
+@functools.cache
+def bf16_support(device: str = "cpu") -> Bf16Support:
+    """Whether bf16 matmuls run natively (at least as fast as fp32) on `device` ("cpu" or "cuda")."""
+    if device.startswith("cuda"):
+        ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return Bf16Support(ok, f"CUDA device {'supports' if ok else 'lacks'} bf16")
+    model, flags = _cpuinfo()
+    if flags and not any(f in flags for f in _BF16_FLAGS):
+        return Bf16Support(False, f"{model}: no avx512_bf16/amx_bf16 (bf16 would be emulated, ~65x slower)")
+    key = _cache_key(model, flags)
+    cached = _read_cache().get(key)
+    if cached is None:
+        cached = _measure()
+        _write_cache(key, cached)
+    native = cached["bf16_gflops"] >= cached["fp32_gflops"]
+    return Bf16Support(native, f"{model}: bf16 matmul {cached['bf16_gflops']:.0f} GFLOP/s vs fp32 "
+                               f"{cached['fp32_gflops']:.0f} (measured, cached)")
+
+
+def resolve_dtype(setting: str, device: str = "cpu") -> tuple[str, str]:
+    """An engine dtype setting -> (dtype name, reason); "auto" is bfloat16 where native, else float32."""
+    if setting != "auto":
+        return setting, "set in the config"
+    support = bf16_support(device)
+    return ("bfloat16" if support.native else "float32"), support.reason
+
+
+def _gflops(dtype: torch.dtype, n: int = 256, seconds: float = 0.03) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b  # first call: kernel selection, page faults
+    reps, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds or reps < 2:
+        a @ b
+        reps += 1
+    return 2 * n**3 * reps / elapsed / 1e9
+
+
+def _measure() -> dict[str, float]:
+    return {"fp32_gflops": _gflops(torch.float32), "bf16_gflops": _gflops(torch.bfloat16), "measured_at": time.time()}
+
+
+def _cache_key(model: str, flags: frozenset[str]) -> str:
+    parts = [model, " ".join(sorted(flags)), torch.__version__, *(os.environ.get(k, "") for k in _ENV_SWITCHES)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _cache_path() -> Path:
+    return cache_dir() / "hardware.json"
+
+
+def _read_cache() -> dict:
+    try:
+        return json.loads(_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(key: str, entry: dict) -> None:
+    try:
+        atomic_write_text(_cache_path(), json.dumps(_read_cache() | {key: entry}, indent=1) + "\n")
+    except OSError as e:  # a read-only home costs a re-measurement next time, nothing else
+        logger.debug("hardware cache not written: %s", e)

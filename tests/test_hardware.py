@@ -1,0 +1,61 @@
+"""Hardware-aware dtypes: engine.dtype auto is bf16 only where bf16 matmuls are native."""
+
+import json
+import os
+import subprocess
+import sys
+
+from relayrl import hardware
+from relayrl.build import resolve_precision
+from relayrl.config.schema import load_run_config
+
+PROBE = "from relayrl.hardware import resolve_dtype; print(resolve_dtype('auto')[0])"
+
+
+def _probe(tmp_path, **env) -> str:
+    env = {**os.environ, "RELAYRL_CACHE": str(tmp_path), **env}
+    return subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_auto_is_float32_where_bf16_is_emulated(tmp_path):
+    # how torch behaves on an AVX2-only CPU (bf16 matmul ~1 GFLOP/s): true on every x86 machine
+    assert _probe(tmp_path, ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2") == "float32"
+
+
+def test_auto_follows_the_measurement_and_caches_it(tmp_path):
+    got = _probe(tmp_path)
+    entries = json.loads((tmp_path / "hardware.json").read_text())
+    model, flags = hardware._cpuinfo()
+    if flags and not any(f in flags for f in ("avx512_bf16", "amx_bf16")):
+        assert got == "float32" and not entries  # decided from the CPU flags, nothing to measure
+        return
+    (entry,) = entries.values()
+    assert got == ("bfloat16" if entry["bf16_gflops"] >= entry["fp32_gflops"] else "float32")
+    # another switch setting is another machine as far as the cache goes
+    _probe(tmp_path, ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
+    assert len(json.loads((tmp_path / "hardware.json").read_text())) == 2
+
+
+def test_cpu_without_bf16_flags_never_gets_bf16(monkeypatch):
+    monkeypatch.setattr(hardware, "_cpuinfo", lambda: ("Old CPU", frozenset({"avx2", "fma"})))
+    hardware.bf16_support.cache_clear()
+    try:
+        dtype, why = hardware.resolve_dtype("auto")
+        assert dtype == "float32" and "no avx512_bf16" in why
+    finally:
+        hardware.bf16_support.cache_clear()
+    assert hardware.resolve_dtype("bfloat16") == ("bfloat16", "set in the config")
+
+
+def test_trainer_autocast_follows_the_engine_precision(capsys):
+    cfg = resolve_precision(load_run_config(None, ["engine.dtype=bfloat16"]))
+    assert cfg.model.autocast_bf16 is True
+    cfg = resolve_precision(load_run_config(None, ["engine.dtype=float32"]))
+    assert cfg.model.autocast_bf16 is False
+    cfg = resolve_precision(load_run_config(None, ["engine.dtype=float32", "model.autocast_bf16=true"]))
+    assert cfg.model.autocast_bf16 is True
+    auto = resolve_precision(load_run_config(None, []))
+    assert auto.engine.dtype in ("bfloat16", "float32")
+    assert auto.model.autocast_bf16 == (auto.engine.dtype == "bfloat16")
+    assert "precision: engine" in capsys.readouterr().out

@@ -1,0 +1,92 @@
+"""Chunked LM-head log-probabilities: equal to the plain [tokens x vocab] computation, values and gradients."""
+
+import pytest
+import torch
+
+from relayrl.models import load_model
+from relayrl.sample import Sample
+from relayrl.trainer.engine import TrainEngine
+from relayrl.trainer.logprobs import token_logprobs
+from relayrl.trainer.packer import Packer
+
+
+def _plain(hidden, weight, targets, temperature, with_entropy):
+    logits = (hidden @ weight.t()).float() / temperature
+    lsm = torch.log_softmax(logits, dim=-1)
+    logp = lsm.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = -(lsm.exp() * lsm).sum(-1) if with_entropy else None
+    return logp, entropy
+
+
+def _inputs(n=37, h=16, v=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64).float().requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 0.5).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g)
+    return hidden, weight, targets
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_values_and_gradients_match_the_plain_computation(temperature, entropy_grad):
+    hidden, weight, targets = _inputs()
+    g = torch.Generator().manual_seed(1)
+    w_lp, w_h = torch.randn(len(targets), generator=g), torch.randn(len(targets), generator=g)
+    # 8 rows per chunk: 37 rows make 5 chunks, the last one short
+    logp, ent = token_logprobs(hidden, weight, targets, temperature=temperature, with_entropy=True,
+                               entropy_grad=entropy_grad, chunk_bytes=8 * 4 * 300)
+    loss = (logp * w_lp).sum() + ((ent * w_h).sum() if entropy_grad else 0.0)
+    gh, gw = torch.autograd.grad(loss, [hidden, weight])
+
+    ref_lp, ref_h = _plain(hidden, weight, targets, temperature, True)
+    ref_loss = (ref_lp * w_lp).sum() + ((ref_h * w_h).sum() if entropy_grad else 0.0)
+    rh, rw = torch.autograd.grad(ref_loss, [hidden, weight])
+    assert (logp - ref_lp).abs().max() < 1e-5
+    assert (ent - ref_h).abs().max() < 1e-5
+    assert torch.allclose(gh, rh, rtol=1e-5, atol=1e-5)  # sums over the chunks' rows: float rounding only
+    assert torch.allclose(gw, rw, rtol=1e-5, atol=1e-5)
+
+
+def test_entropy_carries_no_gradient_unless_asked():
+    hidden, weight, targets = _inputs()
+    logp, ent = token_logprobs(hidden, weight, targets, with_entropy=True)
+    assert logp.requires_grad and not ent.requires_grad
+    assert token_logprobs(hidden, weight, targets)[1] is None
+
+
+def test_no_grad_path_matches_and_keeps_no_graph():
+    hidden, weight, targets = _inputs()
+    with torch.no_grad():
+        logp, ent = token_logprobs(hidden, weight, targets, with_entropy=True, chunk_bytes=1)  # one row a chunk
+    ref_lp, ref_h = _plain(hidden.detach(), weight.detach(), targets, 1.0, True)
+    assert not logp.requires_grad
+    assert torch.allclose(logp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_h, atol=1e-5)
+
+
+def test_bf16_autocast_matches_the_plain_autocast_computation():
+    hidden, weight, targets = _inputs(n=64, h=32, v=500)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, _ = token_logprobs(hidden, weight, targets, chunk_bytes=16 * 4 * 500)
+        ref, _ = _plain(hidden, weight, targets, 1.0, False)
+    gh, gw = torch.autograd.grad(logp.sum(), [hidden, weight])
+    rh, rw = torch.autograd.grad(ref.sum(), [hidden, weight])
+    assert gw.dtype == torch.float32 and gh.dtype == torch.float32
+    assert (logp - ref).abs().max() < 1e-3  # same bf16 matmul; fp32 softmax on both sides
+    assert (gh - rh).abs().max() < 2e-2 and (gw - rw).abs().max() < 2e-2
+
+
+def test_train_engine_logprobs_equal_the_unchunked_lm_head(tiny_path):
+    """The engine's logprobs (trainer, old-policy and reference passes) against model(...).logits."""
+    model = load_model(tiny_path, dtype="float32")
+    engine = TrainEngine(model, temperature=0.8)
+    samples = [Sample(prompt_ids=[5, 6, 7]), Sample(prompt_ids=[5, 6])]
+    samples[0].append_generated([8, 9, 10, 11], [0.0] * 4, [0] * 4, "stop")
+    samples[1].append_generated([12, 13], [0.0] * 2, [0] * 2, "stop")
+    mb = Packer(4096, pad_id=0).pack(samples).micro_batches[0]
+    logp, _ = engine.logprobs(mb)
+    with torch.no_grad():
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                       position_ids=mb.position_ids).logits[mb.rows, mb.cols].float() / 0.8
+    ref = torch.log_softmax(logits, -1).gather(-1, mb.targets[:, None]).squeeze(-1)
+    assert (logp.detach() - ref).abs().max() < 1e-5
+    assert (engine.forward_logprobs(mb) - ref).abs().max() < 1e-5

@@ -1,0 +1,105 @@
+"""Colocated memory: an engine gives back its KV cache and weights while the trainer trains, and runs on the
+trainer's own weights when both use the same dtype (one copy, no copying at sync)."""
+
+import pytest
+import torch
+from conftest import write_sums
+
+from relayrl.build import build, shares_weights
+from relayrl.config.schema import load_run_config
+from relayrl.engine.base import SamplingParams
+from relayrl.engine.local import LocalEngine
+from relayrl.loop import train_colocated
+from relayrl.models import load_model
+
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+
+
+def _engine(tiny_path, **kw):
+    return LocalEngine(load_model(tiny_path, dtype="float32"), eos_token_ids=[], max_batch_size=4, **kw)
+
+
+def test_released_engine_frees_kv_and_weights_and_comes_back_exact(tiny_path):
+    eng = _engine(tiny_path)
+    try:
+        before = eng.generate([[5, 6, 7], [9, 10]], GREEDY)
+        weights = {n: p.detach().clone() for n, p in eng.model.named_parameters()}
+        assert eng.cache.nbytes() > 0
+        freed = eng.release_memory()
+        assert freed >= sum(t.numel() * 4 for t in weights.values())
+        assert eng.cache.nbytes() == 0 and all(p.numel() == 0 for p in eng.model.parameters())
+        eng.update_weights(weights.items(), version=1)
+        after = eng.generate([[5, 6, 7], [9, 10]], GREEDY)
+        assert [o.output_ids for o in after] == [o.output_ids for o in before]
+        assert [o.logprobs for o in after] == [o.logprobs for o in before]
+    finally:
+        eng.close()
+
+
+def test_update_after_release_must_bring_every_weight(tiny_path):
+    eng = _engine(tiny_path)
+    try:
+        weights = [(n, p.detach().clone()) for n, p in eng.model.named_parameters()]
+        eng.release_memory()
+        with pytest.raises(ValueError, match="released"):
+            eng.update_weights(weights[1:], version=1)
+    finally:
+        eng.close()
+
+
+def test_an_engine_on_borrowed_weights_never_releases_them(tiny_path):
+    eng = _engine(tiny_path, owns_weights=False)
+    try:
+        eng.generate([[5, 6]], GREEDY)
+        eng.release_memory()
+        assert eng.cache.nbytes() == 0 and all(p.numel() > 0 for p in eng.model.parameters())
+    finally:
+        eng.close()
+
+
+def _cfg(tiny_path, tmp_path, **extra):
+    data = write_sums(tmp_path / "d.jsonl", 8)
+    over = {"model.path": tiny_path, "engine.dtype": "float32", "data.train.source": data,
+            "data.batch_size": 2, "data.group_size": 2, "sampling.max_new_tokens": 6, "run.steps": 2,
+            "run.output_dir": str(tmp_path), "run.name": "t", "eval.at_start": False, "eval.at_end": False,
+            "judge.reward_fn": "agents_for_tests:parity_reward", "judge.workers": 1, "run.print_samples": 0,
+            "run.save_final": False, **extra}
+    return load_run_config(None, [f"{k}={v}" for k, v in over.items()])
+
+
+def test_same_dtype_sync_run_shares_one_model_between_engine_and_trainer(tiny_path, tmp_path):
+    cfg = _cfg(tiny_path, tmp_path)
+    assert shares_weights(cfg)
+    assert not shares_weights(_cfg(tiny_path, tmp_path, **{"scheduler.mode": "async"}))
+    assert not shares_weights(_cfg(tiny_path, tmp_path, **{"engine.dtype": "bfloat16"}))
+    c = build(cfg)
+    try:
+        engine = c.rollout_ctl.engines[0]
+        assert engine.model is c.train_ctl.engine.model and not engine.owns_weights
+        train_colocated(c)
+        assert c.train_ctl.version == 2 and engine.version == 2
+        assert not engine.model.training  # the trainer hands the model back in eval mode
+    finally:
+        c.close()
+
+
+def test_colocated_step_releases_the_engine_while_training(tiny_path, tmp_path):
+    c = build(_cfg(tiny_path, tmp_path, **{"engine.share_trainer_weights": False}))
+    try:
+        engine = c.rollout_ctl.engines[0]
+        seen = {}
+        fit = c.train_ctl.fit
+
+        def spy(batch):  # what the engine holds while the trainer trains
+            seen["kv"] = engine.cache.nbytes()
+            seen["weights"] = sum(p.numel() for p in engine.model.parameters())
+            return fit(batch)
+
+        c.train_ctl.fit = spy
+        train_colocated(c)
+        assert seen == {"kv": 0, "weights": 0}
+        trained = dict(c.train_ctl.engine.model.named_parameters())
+        for name, p in engine.model.named_parameters():  # restored by the sync, equal to the trained weights
+            assert torch.equal(p, trained[name].detach()), name
+    finally:
+        c.close()
