@@ -118,6 +118,7 @@ def run_relayrl(a) -> dict:
     from relayrl.config.schema import load_run_config
     from relayrl.evaluator import rollout_metrics
     from relayrl.trainer.logprobs import CHUNK_BYTES
+    from relayrl.utils import trim_memory
 
     runtime = max(runtime, rss_bytes())
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
@@ -148,6 +149,7 @@ def run_relayrl(a) -> dict:
                 m |= c.train_ctl.fit(batch)
                 sampler.phase = "weight_sync"
                 c.relay_weights()
+                trim_memory()
                 print(f"step {step}: rss {rss_bytes() / GB:.2f} GB, rollout {m['time/rollout_s']:.1f}s, "
                       f"train {m['time/train_s']:.1f}s", file=sys.stderr)
             judge_rss = children_rss_gb()

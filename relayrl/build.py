@@ -36,7 +36,7 @@ from relayrl.scheduler import AsyncScheduler, SyncScheduler, group_filter
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
 from relayrl.trajectories import TrajectoryLogger
-from relayrl.utils import check_writable, import_from_path
+from relayrl.utils import check_writable, import_from_path, trim_memory, tune_allocator
 
 
 @dataclass
@@ -90,7 +90,9 @@ class Components:
         LoRA base weights: only adapters are synced) make room for training (engine.release_during_train)."""
         if self.producer is not None or not self.cfg.engine.release_during_train:
             return 0
-        return self.rollout_ctl.release_memory(weights=not self.cfg.model.lora_rank)
+        freed = self.rollout_ctl.release_memory(weights=not self.cfg.model.lora_rank)
+        trim_memory()
+        return freed
 
     def relay_weights(self) -> float:
         """Send the trained weights to the rollout side (engines here, or the producer); returns seconds."""
@@ -163,6 +165,7 @@ def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) 
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     cfg = resolve_precision(cfg, quiet=role == "producer")
+    tune_allocator()  # before any model is loaded
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     if cfg.run.threads:
@@ -232,6 +235,7 @@ def _build_trainer(cfg: Config) -> Components:
 def build_follower(cfg: Config) -> TrainController:
     """A rank > 0 of train.engine=fsdp: only its shard of the trainer (see relayrl.trainer.leader)."""
     cfg = resolve_precision(cfg, quiet=True)
+    tune_allocator()
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     model_path = resolve_model_path(cfg.model.path)

@@ -17,6 +17,7 @@ from relayrl.build import Components, build
 from relayrl.config.schema import Config
 from relayrl.evaluator import rollout_metrics
 from relayrl.sample import Sample
+from relayrl.utils import trim_memory
 
 
 def train_colocated(c: Components) -> dict[str, float]:
@@ -33,6 +34,7 @@ def train_colocated(c: Components) -> dict[str, float]:
         c.release_rollout_memory()
         metrics |= c.train_ctl.fit(batch)
         metrics["time/weight_sync_s"] = c.relay_weights()
+        trim_memory()  # the step's activations and gradients are free: give their pages back before rollout
         metrics |= _perf(c, metrics, time.perf_counter() - t0)
         _log(c, step, metrics, bar, batch)
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.run.steps:
