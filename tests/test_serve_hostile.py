@@ -255,6 +255,21 @@ def test_largest_request_does_not_starve_a_small_one(server):
     assert small_done < big["done"] and small_done - start < 10, (small_done - start, big["done"] - start)
 
 
+def test_a_client_that_hangs_up_frees_its_samples(server):
+    """On both APIs: the samples of a request whose client went away leave the queue and the engine within
+    about a second, instead of generating for nobody."""
+    bodies = {"/generate": {"input_ids": [4, 5], "sampling_params": {"n": 4, "max_new_tokens": 400,
+                                                                     "ignore_eos": True}},
+              "/v1/completions": {"prompt": [4, 5], "n": 4, "max_tokens": 400, "ignore_eos": True}}
+    for path, body in bodies.items():
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + path, json=body, headers=AUTH, timeout=httpx.Timeout(60, read=1.0))
+        deadline = time.monotonic() + 5
+        while httpx.get(server.url + "/get_load", headers=AUTH).json()[0]["num_reqs"]:
+            assert time.monotonic() < deadline, f"{path}: samples still running after the client left"
+            time.sleep(0.05)
+
+
 def test_internal_errors_name_only_a_request_id(caplog):
     """A failure inside the server (here a backend that raises) answers 500 with a request id; the exception's
     text and traceback go to the log under that id, never to the client."""

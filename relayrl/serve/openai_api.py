@@ -18,8 +18,9 @@ request id only, its details logged (`relayrl.serve.errors`).
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -82,7 +83,7 @@ def make_openai_app(backend: ChatBackend, api_key: str | None = None, lifespan: 
             body = await read_json(request, max_body_bytes)
             if flag(body, "stream", False):
                 return error_response(400, "stream: streaming is not supported", "stream", "unsupported_value")
-            return JSONResponse(await fn(body, session))
+            return JSONResponse(await _unless_disconnected(request, fn(body, session)))
         except ApiError as e:
             return api_error_response(e)
         except HTTPException:
@@ -112,3 +113,18 @@ def make_openai_app(backend: ChatBackend, api_key: str | None = None, lifespan: 
         return {"object": "list", "data": [{"id": backend.model_name, "object": "model", "owned_by": "relayrl"}]}
 
     return app
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it when the client hangs up: its samples leave the server's queue (or stop at
+    the engine's next step) instead of generating for nobody."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise HTTPException(status_code=499, detail="client disconnected")
+    finally:
+        task.cancel()

@@ -75,11 +75,9 @@ def _text(body: dict[str, Any], key: str, default: str | None = None) -> str:
 
 
 def _integer(body: dict[str, Any], key: str, low: int, high: int | None = None) -> int:
-    value = number(body, key, None, int)
+    value = number(body, key, None, int, low=low, high=high)
     if value is None:
         raise BadRequest(key, "missing")
-    if value < low or (high is not None and value > high):
-        raise BadRequest(key, f"must be in [{low}, {high if high is not None else 'inf'}), got {value}")
     return value
 
 
