@@ -53,12 +53,10 @@ from relayrl.serve.errors import (
     log_error,
     read_json,
 )
-from relayrl.serve.limits import ServerLimits, flag, number, rid
+from relayrl.serve.limits import ServerLimits, flag, rid
 from relayrl.serve.parsing import Job, parse_generate
 from relayrl.serve.security import key_check
 from relayrl.serve.weights_disk import update_from_disk
-
-__all__ = ["BadRequest", "ServerState", "health", "native_router", "number"]
 
 
 @dataclass
@@ -102,10 +100,6 @@ class ServerState:
 
     def num_requests(self) -> int:
         return self.engine.num_running() + self.admission.queued()
-
-    @property
-    def vocab_size(self) -> int:
-        return self.limits.vocab_size
 
     def check_open(self) -> None:
         if self.closing:
