@@ -297,11 +297,12 @@ def launch_servers(cfg: Config, model_path: str, run_dir: Path) -> list[ManagedS
     e = cfg.engine
     placement = ray_placement()
     servers = []
+    weights = weights_dir(cfg, run_dir)  # the launched servers load new weights from under it only
     try:
         for i in range(e.launched_servers):
             log, seed = run_dir / "servers" / f"{e.launch}-{i}.log", cfg.run.seed + i
-            server = (placement.server(i, e, model_path, log, seed) if placement
-                      else make_server(e, model_path, log, seed=seed))
+            server = (placement.server(i, e, model_path, log, seed, weights) if placement
+                      else make_server(e, model_path, log, seed=seed, weights_root=weights))
             servers.append(server.start())
         for server in servers:  # they load their models in parallel
             server.wait_ready(e.launch_timeout)
@@ -310,6 +311,11 @@ def launch_servers(cfg: Config, model_path: str, run_dir: Path) -> list[ManagedS
             server.stop()
         raise
     return servers
+
+
+def weights_dir(cfg: Config, run_dir: Path) -> str:
+    """Where new weights are written for remote servers (engine.weights_dir, default RUN_DIR/weights)."""
+    return cfg.engine.weights_dir or str(run_dir / "weights")
 
 
 def shares_weights(cfg: Config) -> bool:
@@ -335,9 +341,9 @@ def make_engines(cfg: Config, model_path: str, eos: list[int], run_dir: Path, la
             return [LocalEngine(shared_model, seed=cfg.run.seed, owns_weights=False, **kw)]
         return [LocalEngine(load_model(model_path, dtype=e.dtype), seed=cfg.run.seed + i, **kw)
                 for i in range(e.num_engines)]
-    weights_dir = e.weights_dir or str(run_dir / "weights")
     engines = RemoteEngine.for_servers(e.addresses or launched, backend=e.backend, api_key=e.api_key,
-                                       timeout=e.request_timeout, retries=e.retries, weights_dir=weights_dir,
+                                       timeout=e.request_timeout, retries=e.retries,
+                                       weights_dir=weights_dir(cfg, run_dir),
                                        weight_sync=e.weight_sync, weight_sync_backend=e.weight_sync_backend)
     try:
         for engine in engines:

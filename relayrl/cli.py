@@ -97,12 +97,58 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from relayrl.serve.server import serve
+    from relayrl.serve.security import ServeRefused, check_options
 
-    serve(args.model, host=args.host, port=args.port, dtype=args.dtype, max_batch_size=args.max_batch_size,
-          max_seq_len=args.max_seq_len, max_tokens_in_flight=args.max_tokens_in_flight, api_key=args.api_key,
-          seed=args.seed, log_level=args.log_level)
+    try:  # at once, before torch and the model load
+        check_options(args.host, args.api_key, args.insecure, args.weights_root)
+    except ServeRefused as e:
+        print(f"relayrl serve: {e}", file=sys.stderr)
+        return 2
+    from relayrl.serve.server import ServeOptions, serve
+
+    options = ServeOptions(api_key=args.api_key, insecure=args.insecure, weights_root=args.weights_root,
+                           max_n=args.max_n, max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                           max_tokens_in_flight=args.max_tokens_in_flight, max_body_bytes=args.max_body_bytes)
+    try:
+        serve(args.model, host=args.host, port=args.port, dtype=args.dtype, max_batch_size=args.max_batch_size,
+              max_seq_len=args.max_seq_len, seed=args.seed, log_level=args.log_level, options=options)
+    except ServeRefused as e:
+        print(f"relayrl serve: {e}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _serve_parser(sv: argparse.ArgumentParser) -> None:
+    sv.add_argument("--model", required=True, help="model folder or alias (smollm2)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only; "
+                    "any other address needs --api-key or --insecure)")
+    sv.add_argument("--port", type=int, default=30000, help="port (0: any free port; the ready line says which)")
+    sv.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                    help="auto: bfloat16 where this machine's bf16 matmuls are native, else float32")
+    sv.add_argument("--max-batch-size", type=_positive, default=64, help="most sequences decoded together")
+    sv.add_argument("--max-seq-len", type=_positive, help="prompt + output limit (default: the model's)")
+    sv.add_argument("--max-tokens-in-flight", type=_positive, help="admission budget of prompt + max_new_tokens "
+                    "over running samples; a request needing more is refused (default max-batch-size x max-seq-len)")
+    sv.add_argument("--max-n", type=_positive, help="most samples in one request, n x prompts (default "
+                    "max-batch-size)")
+    sv.add_argument("--max-tokens", type=_positive, help="largest max_new_tokens / max_tokens of a sample "
+                    "(default max-seq-len - 1)")
+    sv.add_argument("--max-prompt-tokens", type=_positive, help="longest prompt (default max-seq-len - 1)")
+    sv.add_argument("--max-body-bytes", type=_positive, help="largest request body (default 16 MiB)")
+    sv.add_argument("--weights-root", help="/update_weights_from_disk loads only folders under this directory "
+                    "(symlinks resolved); without it the route is disabled")
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
+    sv.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without --api-key")
+    sv.add_argument("--seed", type=int, default=0, help="seed of unseeded requests' sampling")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sv.set_defaults(fn=_serve)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -136,19 +182,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("name", help="alias (smollm2) for prepare; output folder for tiny")
     m.add_argument("--force", action="store_true")
     m.set_defaults(fn=_models)
-    sv = sub.add_parser("serve", help="serve a model over HTTP (SGLang-compatible native API + OpenAI API)")
-    sv.add_argument("--model", required=True, help="model folder or alias (smollm2)")
-    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    sv.add_argument("--port", type=int, default=30000, help="port (0: any free port; the ready line says which)")
-    sv.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                    help="auto: bfloat16 where this machine's bf16 matmuls are native, else float32")
-    sv.add_argument("--max-batch-size", type=int, default=64, help="most sequences decoded together")
-    sv.add_argument("--max-seq-len", type=int, help="prompt + output limit (default: the model's)")
-    sv.add_argument("--max-tokens-in-flight", type=int, help="admission budget of prompt + max_new_tokens")
-    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
-    sv.add_argument("--seed", type=int, default=0, help="seed of unseeded requests' sampling")
-    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    sv.set_defaults(fn=_serve)
+    _serve_parser(sub.add_parser("serve", help="serve a model over HTTP (SGLang-compatible native API + OpenAI API)"))
     return p
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import socket
@@ -108,20 +109,29 @@ def _stop_all() -> None:
         server.stop(timeout=5.0)
 
 
-def make_server(e, model: str, log_path: Path, *, seed: int, host: str = "127.0.0.1") -> ManagedServer:
-    """The server `engine.launch` asks for (`e` is the run's EngineConfig), not started yet."""
+def make_server(e, model: str, log_path: Path, *, seed: int, host: str = "127.0.0.1",
+                weights_root: str | Path | None = None) -> ManagedServer:
+    """The server `engine.launch` asks for (`e` is the run's EngineConfig), not started yet. `weights_root` is
+    the folder the run writes new weights to (engine.weights_dir); a relayrl server loads weights from under
+    it only, and only when they travel by disk (engine.weight_sync=disk)."""
     if e.launch == "relayrl":
         return relayrl_server(model, log_path, dtype=e.dtype, max_batch_size=e.max_batch_size,
                               max_seq_len=e.max_seq_len, max_tokens_in_flight=e.max_tokens_in_flight,
-                              api_key=e.api_key, seed=seed, host=host)
+                              api_key=e.api_key, seed=seed, host=host,
+                              weights_root=weights_root if e.weight_sync == "disk" else None)
     return vllm_server(e.vllm_python, model, log_path, dtype=e.dtype, max_model_len=e.max_seq_len,
                        api_key=e.api_key, seed=seed, host=host)
 
 
 def relayrl_server(model: str, log_path: Path, *, dtype: str = "bfloat16", max_batch_size: int = 64,
                    max_seq_len: int | None = None, max_tokens_in_flight: int | None = None,
-                   api_key: str | None = None, seed: int = 0, host: str = "127.0.0.1") -> ManagedServer:
-    """`relayrl serve` with this interpreter (so it runs the same relayrl as the trainer)."""
+                   api_key: str | None = None, seed: int = 0, host: str = "127.0.0.1",
+                   weights_root: str | Path | None = None) -> ManagedServer:
+    """`relayrl serve` with this interpreter (so it runs the same relayrl as the trainer). `weights_root`
+    (created here) enables /update_weights_from_disk for folders under it. A non-loopback host without an
+    API key is passed --insecure, as launched servers always listened so; set engine.api_key to close it."""
+    from relayrl.serve.security import is_loopback
+
     port = free_port(host)
     cmd = [sys.executable, "-m", "relayrl.cli", "serve", "--model", model, "--host", host, "--port", str(port),
            "--dtype", dtype, "--max-batch-size", str(max_batch_size), "--seed", str(seed), "--log-level", "warning"]
@@ -131,6 +141,13 @@ def relayrl_server(model: str, log_path: Path, *, dtype: str = "bfloat16", max_b
         cmd += ["--max-tokens-in-flight", str(max_tokens_in_flight)]
     if api_key:
         cmd += ["--api-key", api_key]
+    elif not is_loopback(host):
+        logging.getLogger(__name__).warning("relayrl serve on %s without an API key: anyone who can reach it can "
+                                            "use it (set engine.api_key)", host)
+        cmd += ["--insecure"]
+    if weights_root is not None:
+        Path(weights_root).mkdir(parents=True, exist_ok=True)
+        cmd += ["--weights-root", str(weights_root)]
     return ManagedServer(cmd, port, log_path, host=host, name="relayrl serve")
 
 

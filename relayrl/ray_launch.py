@@ -98,9 +98,10 @@ class RayPlacement:
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
                 "num_cpus": res.get("CPU", 0), "num_gpus": res.get("GPU", 0)}
 
-    def server(self, i: int, engine_cfg, model_path: str, log: Path, seed: int) -> RayServer:
+    def server(self, i: int, engine_cfg, model_path: str, log: Path, seed: int,
+               weights_root: str | None = None) -> RayServer:
         actor = _remote(ServerActor).options(**self.options(self.layout.servers[i])).remote(self)
-        return RayServer(actor, (engine_cfg, model_path, str(log), seed, self.server_host))
+        return RayServer(actor, (engine_cfg, model_path, str(log), seed, weights_root, self.server_host))
 
     def producer(self, args: tuple) -> tuple[RayProcess, Any, Any]:
         """The producer as an actor, with the two queues `producer_main` talks over (Ray's, not multiprocessing's)."""
@@ -153,10 +154,11 @@ class TrainerWorker(_Actor):
 
 
 class ServerActor(_Actor):
-    def start(self, engine_cfg, model_path: str, log: str, seed: int, host: str) -> tuple[str, str]:
+    def start(self, engine_cfg, model_path: str, log: str, seed: int, weights_root: str | None,
+              host: str) -> tuple[str, str]:
         ip = _node_ip()
-        self.server = make_server(engine_cfg, model_path, Path(log), seed=seed,
-                                  host=ip if host == "node" else host).start()
+        self.server = make_server(engine_cfg, model_path, Path(log), seed=seed, host=ip if host == "node" else host,
+                                  weights_root=weights_root).start()
         return self.server.url, ip
 
     def wait_ready(self, timeout: float) -> None:

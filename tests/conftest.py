@@ -35,12 +35,13 @@ def write_sums(path: Path, n: int) -> str:
 
 
 @contextlib.contextmanager
-def relayrl_servers(model_path: str, logs: Path, n: int = 2):
-    """n real `relayrl serve` subprocesses of a model (fp32, small batches), healthy, stopped on exit."""
+def relayrl_servers(model_path: str, logs: Path, n: int = 2, weights_root: Path | None = None):
+    """n real `relayrl serve` subprocesses of a model (fp32, small batches), healthy, stopped on exit; they load
+    weights from disk only from under `weights_root` (none: not at all)."""
     from relayrl.launcher import relayrl_server
 
-    servers = [relayrl_server(model_path, logs / f"s{i}.log", dtype="float32", max_batch_size=8).start()
-               for i in range(n)]
+    servers = [relayrl_server(model_path, logs / f"s{i}.log", dtype="float32", max_batch_size=8,
+                              weights_root=weights_root).start() for i in range(n)]
     try:
         for s in servers:
             s.wait_ready(120)

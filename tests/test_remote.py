@@ -31,7 +31,9 @@ def greedy(n: int) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def servers(tiny_path, tmp_path_factory):
-    with relayrl_servers(tiny_path, tmp_path_factory.mktemp("remote")) as both:
+    # the engines write weights under their tests' tmp_path: all of them lie under pytest's base folder
+    logs, root = tmp_path_factory.mktemp("remote"), tmp_path_factory.getbasetemp()
+    with relayrl_servers(tiny_path, logs, weights_root=root) as both:
         yield both
 
 

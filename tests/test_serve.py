@@ -1,14 +1,12 @@
 """`relayrl serve` end to end: a real server subprocess, real HTTP, the real `openai` client, no mocks.
 
 Two servers start once per module (in parallel, to save time on small machines): the main one, shared
-by most tests, and one with --api-key, which the last test also shuts down with SIGTERM.
+by most tests, which loads weights from under a --weights-root, and one with --api-key (and no weights root),
+which the last test also shuts down with SIGTERM. Hostile clients: tests/test_serve_hostile.py.
 """
 
 import os
-import re
-import signal
-import subprocess
-import sys
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -17,60 +15,25 @@ import httpx
 import openai
 import pytest
 import torch
+from serve_for_tests import Server
 
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.models import eos_token_ids, load_model, load_tokenizer, save_pretrained_atomic
 
-ROOT = Path(__file__).resolve().parents[1]
-READY = re.compile(r"relayrl serve: ready on (http://\S+)")
 KEY = "sekrit-key"
 
 
-class Server:
-    """A `relayrl serve` subprocess; `url` is known once its ready line was read."""
-
-    def __init__(self, model: str, log: Path, *extra: str):
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        cmd = [sys.executable, "-m", "relayrl.cli", "serve", "--model", model, "--dtype", "float32", "--port", "0",
-               "--log-level", "warning", *extra]
-        self.log = log
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log.open("w"),
-                                     text=True)
-        self.url: str | None = None
-
-    def wait_ready(self, timeout: float = 90.0) -> str:
-        """Read stdout (in a thread, so the timeout holds) until the ready line."""
-        def read() -> None:
-            for line in self.proc.stdout:
-                m = READY.search(line)
-                if m:
-                    self.url = m.group(1)
-                    return
-
-        if self.url is None:
-            reader = threading.Thread(target=read, daemon=True)
-            reader.start()
-            reader.join(timeout)
-        assert self.url, f"server not ready after {timeout}s; stderr:\n{self.log.read_text()[-3000:]}"
-        return self.url
-
-    def stop(self, timeout: float = 10.0) -> int:
-        """SIGTERM and wait: a graceful shutdown exits with 0 in a few seconds."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
+@pytest.fixture(scope="module")
+def weights_root(tmp_path_factory) -> Path:
+    """The main server's --weights-root: /update_weights_from_disk loads only folders under it."""
+    return tmp_path_factory.mktemp("weights")
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_path, tmp_path_factory):
+def servers(tiny_path, tmp_path_factory, weights_root):
     logs = tmp_path_factory.mktemp("serve")
-    both = {"main": Server(tiny_path, logs / "main.log"),
+    both = {"main": Server(tiny_path, logs / "main.log", "--weights-root", str(weights_root)),
             "key": Server(tiny_path, logs / "key.log", "--api-key", KEY)}
     yield both
     codes = {name: s.stop() for name, s in both.items()}
@@ -176,7 +139,7 @@ def test_batch_stop_tokens_and_sampling_groups(url, local):
     assert text["meta_info"]["prompt_tokens"] == len(tok("The answer is")["input_ids"])
 
 
-def test_update_weights_from_disk(url, local, tiny_path, tmp_path):
+def test_update_weights_from_disk(url, local, tiny_path, weights_root):
     tok, _, engine = local
     prompt = tok("Natalia sold 48 clips")["input_ids"]
     before = generate(url, prompt, max_new_tokens=10, temperature=0, ignore_eos=True)["output_ids"]
@@ -185,7 +148,7 @@ def test_update_weights_from_disk(url, local, tiny_path, tmp_path):
         torch.manual_seed(0)
         for p in perturbed.parameters():
             p.add_(torch.randn_like(p) * 0.5)
-    folder = save_pretrained_atomic(perturbed, tok, tmp_path / "perturbed")
+    folder = save_pretrained_atomic(perturbed, tok, weights_root / "perturbed")
     v = version(url)
     r = post(url, "/update_weights_from_disk", {"model_path": str(folder)})
     assert r.status_code == 200 and r.json()["success"] and r.json()["weight_version"] == v + 1, r.text
@@ -196,11 +159,14 @@ def test_update_weights_from_disk(url, local, tiny_path, tmp_path):
     assert after["meta_info"]["weight_version"] == v + 1 == version(url)
     assert after["meta_info"]["output_token_versions"] == [v + 1] * 10
     # a bad path is refused whole: success false, 400, nothing changed
-    bad = post(url, "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
+    bad = post(url, "/update_weights_from_disk", {"model_path": str(weights_root / "missing")})
     assert bad.status_code == 400 and bad.json()["success"] is False and "missing" in bad.json()["message"]
+    outside = post(url, "/update_weights_from_disk", {"model_path": tiny_path})  # not under --weights-root
+    assert outside.status_code == 403 and "weights root" in outside.json()["error"]["message"]
     assert version(url) == v + 1
     # back to the original weights under an explicit version
-    r = post(url, "/update_weights_from_disk", {"model_path": tiny_path, "weight_version": v + 5})
+    original = shutil.copytree(tiny_path, weights_root / "original")
+    r = post(url, "/update_weights_from_disk", {"model_path": str(original), "weight_version": v + 5})
     assert r.json()["weight_version"] == v + 5 == version(url)
     engine.load_weights_from_disk(tiny_path, v + 5)
     assert generate(url, prompt, max_new_tokens=10, temperature=0, ignore_eos=True)["output_ids"] == before
@@ -348,6 +314,9 @@ def test_api_key_then_graceful_shutdown(servers):
     with pytest.raises(openai.AuthenticationError):
         client(key_url).completions.create(model="tiny", prompt="hi", max_tokens=1)
     assert len(client(key_url, KEY).completions.create(model="tiny", prompt="hi", max_tokens=2).choices) == 1
+    # no --weights-root: loading weights from disk is off, and says how to turn it on
+    off = post(key_url, "/update_weights_from_disk", {"model_path": str(server.log.parent)}, headers=auth)
+    assert off.status_code == 403 and "--weights-root" in off.json()["error"]["message"]
     # SIGTERM with a request in flight: it comes back aborted, and the process exits 0 promptly
     post(key_url, "/pause_generation", headers=auth)
     t, box = in_thread(post, key_url, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 64}},

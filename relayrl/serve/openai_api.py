@@ -10,17 +10,34 @@ each choice; logprobs come back for every generated token when `logprobs: true`.
 
 Streaming is not supported: `stream: true` is answered with HTTP 400 ("stream: streaming is not supported")
 rather than with a non-streamed body that a streaming client would fail to parse.
+
+Errors are OpenAI's `{"error": {"message", "type", "param", "code"}}`: a backend refuses a request by raising
+`relayrl.serve.errors.ApiError` (BadRequest names the field); any other exception is answered 500 with a
+request id only, its details logged (`relayrl.serve.errors`).
 """
 
 from __future__ import annotations
 
-import secrets
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
+
+from relayrl.serve.errors import (
+    ApiError,
+    api_error_response,
+    error_response,
+    install_error_handlers,
+    internal_error,
+    read_json,
+)
+from relayrl.serve.limits import DEFAULT_MAX_BODY, flag
+from relayrl.serve.security import key_check
+
+__all__ = ["ChatBackend", "chat_response", "error_response", "make_openai_app"]
 
 
 class ChatBackend(Protocol):
@@ -49,56 +66,65 @@ def chat_response(cid: str, model: str, content: str | None, tool_calls: list[di
                                            "total_tokens": len(prompt_ids) + len(output_ids)}}
 
 
-def make_openai_app(backend: ChatBackend, api_key: str | None = None, lifespan: Callable | None = None) -> FastAPI:
-    """The /v1 routes over `backend`; `lifespan` lets a server own resources (an engine) for the app's life."""
-    app = FastAPI(title="relayrl OpenAI-compatible API", lifespan=lifespan)
-
-    def check_key(request: Request) -> None:
-        given = request.headers.get("authorization", "")
-        if api_key is not None and not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise HTTPException(status_code=401, detail="invalid API key")
+def make_openai_app(backend: ChatBackend, api_key: str | None = None, lifespan: Callable | None = None,
+                    max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
+    """The /v1 routes over `backend`; `lifespan` lets a server own resources (an engine) for the app's life.
+    With an API key the interactive docs (/docs, /redoc, /openapi.json) are off: they would describe the API
+    to anyone, key or not."""
+    docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="relayrl OpenAI-compatible API", lifespan=lifespan, **docs)
+    install_error_handlers(app)
+    check_key = key_check(api_key)
 
     async def handle(request: Request, fn, session: str | None) -> JSONResponse:
-        check_key(request)
+        """Backend errors that name a field (ApiError) are the client's; anything else is answered with a
+        request id only (see relayrl.serve.errors)."""
         try:
-            body = await request.json()
-        except ValueError:
-            return error_response(400, "request body is not JSON")
-        if not isinstance(body, dict):
-            return error_response(400, "body: must be a JSON object")
-        if body.get("stream"):
-            return error_response(400, "stream: streaming is not supported")
-        try:
-            return JSONResponse(await fn(body, session))
-        except (ValueError, KeyError, TypeError) as e:  # bad request content, named in the message
-            return error_response(400, f"{type(e).__name__}: {e}")
+            body = await read_json(request, max_body_bytes)
+            if flag(body, "stream", False):
+                return error_response(400, "stream: streaming is not supported", "stream", "unsupported_value")
+            return JSONResponse(await _unless_disconnected(request, fn(body, session)))
+        except ApiError as e:
+            return api_error_response(e)
+        except HTTPException:
+            raise
+        except Exception as e:
+            return internal_error(request, e)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat(request: Request):
         return await handle(request, backend.chat, None)
 
-    @app.post("/sessions/{sid}/v1/chat/completions")
+    @app.post("/sessions/{sid}/v1/chat/completions", dependencies=[Depends(check_key)])
     async def session_chat(sid: str, request: Request):
         return await handle(request, backend.chat, sid)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[Depends(check_key)])
     async def completions(request: Request):
         return await handle(request, backend.complete, None)
 
-    @app.post("/sessions/{sid}/v1/completions")
+    @app.post("/sessions/{sid}/v1/completions", dependencies=[Depends(check_key)])
     async def session_completions(sid: str, request: Request):
         return await handle(request, backend.complete, sid)
 
-    @app.get("/v1/models")
-    @app.get("/sessions/{sid}/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    @app.get("/sessions/{sid}/v1/models", dependencies=[Depends(check_key)])
     async def models(request: Request, sid: str | None = None):
-        check_key(request)
         return {"object": "list", "data": [{"id": backend.model_name, "object": "model", "owned_by": "relayrl"}]}
 
     return app
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    """OpenAI's (and SGLang's) error body, so clients of either API read our errors the usual way."""
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": status}},
-                        status_code=status)
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it when the client hangs up: its samples leave the server's queue (or stop at
+    the engine's next step) instead of generating for nobody."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise HTTPException(status_code=499, detail="client disconnected")
+    finally:
+        task.cancel()

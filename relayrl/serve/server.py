@@ -13,6 +13,13 @@ One FastAPI app carries two APIs over the same engine (so they share its continu
   penalties, logit_bias, echo, best_of > 1) are refused with 400; only the sampled tokens' logprobs are
   returned (top alternatives are not computed).
 
+Hostile clients: every field of every request is checked against the server's limits before any of it
+reaches the engine (`relayrl.serve.limits`, `parsing`, `openai_params`); requests wait in a fair queue in
+front of the engine, so no request's size holds up another's (`relayrl.serve.admission`); errors name the
+field and never carry internal details (`relayrl.serve.errors`); weights load only from under --weights-root
+(`relayrl.serve.weights_disk`); a non-loopback address needs --api-key or --insecure, and with a key the
+interactive docs are off (`relayrl.serve.security`). docs/security.md lists what is refused, and how.
+
 Lifecycle: the engine is loaded before the server binds, the ready line is printed once it accepts
 requests, and SIGTERM / SIGINT shut down gracefully: new generations get 503, running ones finish at once
 with finish_reason "abort", the engine is closed in the lifespan shutdown and the process exits with 0.
@@ -24,6 +31,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import signal
 import threading
 import time
@@ -37,46 +45,12 @@ from fastapi import FastAPI
 from relayrl.agents.tool import parse_tool_calls, tools_system_prompt
 from relayrl.engine.base import GenOutput, SamplingParams
 from relayrl.hardware import resolve_dtype
-from relayrl.serve.native import BadRequest, ServerState, health, native_router, number
+from relayrl.serve import openai_params
+from relayrl.serve.limits import ServerLimits
+from relayrl.serve.native import ServerState, health, native_router
 from relayrl.serve.openai_api import chat_response, make_openai_app
+from relayrl.serve.security import ServeRefused, check_options
 from relayrl.tools import Tool
-
-# OpenAI / vLLM options that would change what is sampled: refused unless neutral (see native.py's docstring)
-_NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0,
-            "best_of": 1, "echo": False, "suffix": None, "logit_bias": None}
-
-
-def _template_content(content: Any, where: str) -> Any:
-    """OpenAI content parts -> the plain string chat templates expect (text parts only)."""
-    if not isinstance(content, list):
-        return content
-    if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        raise BadRequest(where, "only text content parts are supported")
-    return "".join(p.get("text", "") for p in content)
-
-
-def _template_messages(messages: Any) -> list[dict[str, Any]]:
-    """Messages as chat templates expect them: string content, tool-call arguments as objects (OpenAI sends
-    them as JSON strings; templates render them with tojson)."""
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages", "must be a non-empty list of messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{i}]", 'must be an object with a "role"')
-        m = {**m, "content": _template_content(m.get("content"), f"messages[{i}].content")}
-        if m.get("tool_calls"):
-            m["tool_calls"] = [_parsed_arguments(c) for c in m["tool_calls"]]
-        out.append(m)
-    return out
-
-
-def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
-    fn = dict(call.get("function") or {})
-    if isinstance(fn.get("arguments"), str):
-        with contextlib.suppress(json.JSONDecodeError):
-            fn["arguments"] = json.loads(fn["arguments"])
-    return {**call, "function": fn}
 
 
 def _openai_tool_calls(text: str) -> list[dict[str, Any]]:
@@ -93,83 +67,82 @@ def _finish(out: GenOutput, tool_calls: bool = False) -> str:
 
 
 class EngineBackend:
-    """The ChatBackend of `make_openai_app` over the served engine; every request stands alone."""
+    """The ChatBackend of `make_openai_app` over the served engine; every request stands alone and is checked
+    whole (`relayrl.serve.openai_params`) before any of it reaches the engine."""
 
     def __init__(self, state: ServerState, model_name: str):
         self.state, self.model_name, self.tok = state, model_name, state.tokenizer
+        self.limits = state.limits
         self.native_tools = "tools" in (getattr(self.tok, "chat_template", "") or "")
 
-    def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
         """Render with the chat template (generation prompt added) and tokenize, as RecordingBackend does."""
         if tools and not self.native_tools:
             described = [Tool(t["function"]["name"], t["function"].get("description", ""),
                               t["function"].get("parameters", {}), None) for t in tools]
             messages = [{"role": "system", "content": tools_system_prompt(described)}, *messages]
         kw = {"tools": tools} if tools and self.native_tools else {}
-        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
-        return self.state.check_prompt(self.tok(text, add_special_tokens=False)["input_ids"], "messages")
-
-    def params(self, body: dict[str, Any], prompt_len: int) -> tuple[SamplingParams, int]:
-        """OpenAI sampling fields -> (SamplingParams, n); max_tokens defaults to the rest of the context."""
-        for key, neutral in _NEUTRAL.items():
-            if body.get(key) not in (None, neutral):
-                raise BadRequest(key, f"is not supported (only {neutral})")
-        if body.get("stop"):
-            raise BadRequest("stop", "stop strings are not supported")
-        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = number(body, key, self.state.engine.max_seq_len - prompt_len, int)
-        n = number(body, "n", 1, int)
-        for field, value in ((key, max_tokens), ("n", n)):
-            if value < 1:
-                raise BadRequest(field, f"must be >= 1, got {value}")
         try:
-            return SamplingParams(max_new_tokens=max_tokens, temperature=number(body, "temperature", 1.0, float),
-                                  top_p=number(body, "top_p", 1.0, float),
-                                  top_k=max(number(body, "top_k", 0, int), 0), seed=number(body, "seed", None, int)), n
-        except ValueError as e:
-            raise BadRequest("sampling", str(e)) from None
+            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+        except Exception as e:
+            raise openai_params.render_error(e) from None
+        return self.tok(text, add_special_tokens=False)["input_ids"]
 
-    async def sample(self, prompt: list[int], params: SamplingParams, n: int) -> list[GenOutput]:
-        """n samples of one prompt (the engine prefills it once); a seeded request gives sample i seed+i,
-        so the n choices differ but stay reproducible."""
-        seeded = [params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
-                  for i in range(n)]
-        return list(await asyncio.gather(*(self.state.generate(prompt, p) for p in seeded)))
+    async def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+        openai_params.check_size([messages, tools], self.limits, "messages")
+        ids = await self.state.in_tokenizer_thread(self._render, messages, tools)
+        return self.limits.check_prompt(ids, "messages")
+
+    async def sample(self, jobs: list[tuple[list[int], SamplingParams, int]]) -> list[list[GenOutput]]:
+        """n samples of each prompt, all as one request of the server's queue (the engine prefills a prompt
+        once); a seeded request gives sample i seed+i, so the n choices differ but stay reproducible."""
+        flat = [(prompt, p if p.seed is None else dataclasses.replace(p, seed=p.seed + i), None)
+                for prompt, p, n in jobs for i in range(n)]
+        self.limits.check_samples(len(flat), "n")
+        self.limits.check_cost(sum(len(q) + p.max_new_tokens for q, p, _ in flat), "max_tokens")
+        futures = self.state.submit(flat)
+        try:
+            outs = list(await asyncio.gather(*futures))
+        finally:
+            for f in futures:  # the client went away (or another sample failed): stop the rest
+                f.cancel()
+        it = iter(outs)
+        return [[next(it) for _ in range(n)] for _, _, n in jobs]
 
     def token_texts(self, ids: list[int]) -> list[str]:
         return [self.tok.decode([t]) for t in ids]
 
     async def chat(self, body: dict[str, Any], session: str | None) -> dict[str, Any]:
-        messages, tools = _template_messages(body.get("messages")), body.get("tools") or None
-        prompt = self.chat_prompt_ids(messages, tools)
-        params, n = self.params(body, len(prompt))
-        outs = await self.sample(prompt, params, n)
-        cid, choices, want_lp = f"chatcmpl-{uuid.uuid4().hex}", [], bool(body.get("logprobs"))
+        messages = openai_params.messages(body.get("messages"), self.limits)
+        tools = openai_params.tools(body.get("tools"))
+        prompt = await self.chat_prompt_ids(messages, tools)
+        params, n = openai_params.sampling(body, self.limits, len(prompt))
+        want_lp, with_ids = openai_params.logprobs_wanted(body, chat=True), bool(body.get("return_token_ids"))
+        outs = (await self.sample([(prompt, params, n)]))[0]
+        cid, choices = f"chatcmpl-{uuid.uuid4().hex}", []
         for i, out in enumerate(outs):
             text = self.tok.decode(out.output_ids, skip_special_tokens=True)
             calls = _openai_tool_calls(text) if tools else []
             content = text.split("<tool_call>")[0].strip() if calls else text
             reply = chat_response(cid, self.model_name, content or None, calls or None, _finish(out, bool(calls)),
                                   prompt, out.output_ids, out.logprobs if want_lp else None,
-                                  self.token_texts(out.output_ids) if want_lp else None,
-                                  bool(body.get("return_token_ids")))
+                                  self.token_texts(out.output_ids) if want_lp else None, with_ids)
             choices.append({**reply["choices"][0], "index": i})
         return {**reply, "choices": choices, "usage": _usage([len(prompt)], outs)}
 
-    def completion_prompts(self, prompt: Any) -> list[list[int]]:
-        """`prompt` as a string, token ids, or a batch of either."""
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
-            prompt = [prompt]
-        if not isinstance(prompt, list) or not prompt:
-            raise BadRequest("prompt", "must be a string, a list of token ids, or a non-empty list of either")
-        return [self.state.check_prompt(self.tok(p)["input_ids"] if isinstance(p, str) else p, f"prompt[{i}]")
-                for i, p in enumerate(prompt)]
+    async def completion_prompts(self, prompt: Any) -> list[list[int]]:
+        """`prompt` as a string, token ids, or a batch of either; text is tokenized off the event loop."""
+        checked = openai_params.completion_prompts(prompt, self.limits)
+        texts = [p for p in checked if isinstance(p, str)]
+        tokenized = iter(await self.state.tokenize(texts) if texts else [])
+        return [self.limits.check_prompt(next(tokenized), f"prompt[{i}]") if isinstance(p, str) else p
+                for i, p in enumerate(checked)]
 
     async def complete(self, body: dict[str, Any], session: str | None) -> dict[str, Any]:
-        prompts = self.completion_prompts(body.get("prompt"))
-        jobs = [(p, *self.params(body, len(p))) for p in prompts]
-        per_prompt = await asyncio.gather(*(self.sample(p, params, n) for p, params, n in jobs))
-        want_lp, with_ids = body.get("logprobs") not in (None, False), bool(body.get("return_token_ids"))
+        prompts = await self.completion_prompts(body.get("prompt"))
+        jobs = [(p, *openai_params.sampling(body, self.limits, len(p))) for p in prompts]
+        want_lp, with_ids = openai_params.logprobs_wanted(body, chat=False), bool(body.get("return_token_ids"))
+        per_prompt = await self.sample(jobs)
         choices = []
         for prompt, outs in zip(prompts, per_prompt):
             for out in outs:
@@ -198,8 +171,10 @@ def build_app(state: ServerState, model_name: str) -> FastAPI:
         yield
         state.closing = True
         await asyncio.to_thread(state.engine.close)
+        state.close()
 
-    app = make_openai_app(EngineBackend(state, model_name), state.api_key, lifespan=lifespan)
+    app = make_openai_app(EngineBackend(state, model_name), state.api_key, lifespan=lifespan,
+                          max_body_bytes=state.limits.max_body_bytes)
     app.include_router(native_router(state))
 
     async def health_route() -> Any:
@@ -226,7 +201,7 @@ class RelayServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list | None = None) -> None:
         self.state.closing = True  # from here on nothing reaches the engine
-        await asyncio.to_thread(self.state.engine.abort)
+        await self.state.abort()  # what waits in the server's queue, then what runs
         await super().shutdown(sockets)
 
     @contextlib.contextmanager
@@ -244,23 +219,63 @@ class RelayServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    """What `relayrl serve` is started with beyond the engine's own settings (see relayrl.serve.limits and
+    relayrl.serve.security); None takes the default that follows the engine."""
+
+    api_key: str | None = None
+    insecure: bool = False  # listen on a non-loopback address without an API key
+    weights_root: str | None = None  # /update_weights_from_disk reads only under it; None: the route is off
+    max_n: int | None = None
+    max_tokens: int | None = None
+    max_prompt_tokens: int | None = None
+    max_tokens_in_flight: int | None = None
+    max_body_bytes: int | None = None
+
+
+def _limits(engine: Any, max_batch_size: int, options: ServeOptions) -> ServerLimits:
+    vocab = int(engine.model.get_input_embeddings().num_embeddings)
+    try:
+        return ServerLimits.for_engine(engine.max_seq_len, vocab, max_batch_size,
+                                       max_prompt_tokens=options.max_prompt_tokens, max_tokens=options.max_tokens,
+                                       max_n=options.max_n, budget=options.max_tokens_in_flight,
+                                       max_body_bytes=options.max_body_bytes)
+    except ValueError as e:
+        raise ServeRefused(str(e)) from None
+
+
+def _log_to_stderr(level: str) -> None:
+    """Internal errors are logged (with their request id and traceback) by relayrl.serve's logger."""
+    logger = logging.getLogger("relayrl.serve")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("relayrl serve: %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
+
+
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, dtype: str = "auto",
-          max_batch_size: int = 64, max_seq_len: int | None = None, max_tokens_in_flight: int | None = None,
-          api_key: str | None = None, seed: int = 0, log_level: str = "info") -> None:
+          max_batch_size: int = 64, max_seq_len: int | None = None, seed: int = 0, log_level: str = "info",
+          options: ServeOptions | None = None) -> None:
     """Load `model` (a folder or an alias) and serve it until SIGTERM / SIGINT. Port 0 picks a free port
-    (the ready line tells which)."""
+    (the ready line tells which). ServeRefused when the options do not allow starting."""
     from relayrl.engine.local import LocalEngine
     from relayrl.models import load_tokenizer, resolve_model_path
 
+    options = options or ServeOptions()
+    weights_root = check_options(host, options.api_key, options.insecure, options.weights_root)
     path = resolve_model_path(model)
     dtype, why = resolve_dtype(dtype)
     print(f"relayrl serve: {dtype} ({why})", flush=True)
     engine = LocalEngine.from_pretrained(path, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                         max_tokens_in_flight=max_tokens_in_flight, seed=seed)
-    state = ServerState(engine, load_tokenizer(path), path, api_key)
-    config = uvicorn.Config(build_app(state, model), host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=5)
+                                         max_tokens_in_flight=options.max_tokens_in_flight, seed=seed)
     try:
+        state = ServerState(engine, load_tokenizer(path), path, _limits(engine, max_batch_size, options),
+                            options.api_key, weights_root)
+        _log_to_stderr(log_level)
+        config = uvicorn.Config(build_app(state, model), host=host, port=port, log_level=log_level, lifespan="on",
+                                timeout_graceful_shutdown=5, server_header=False)
         RelayServer(config, state).run()
     finally:
         engine.close()

@@ -29,7 +29,10 @@ import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from relayrl.serve.native import BadRequest, ServerState, _weight_version, number
+from relayrl.serve.errors import BadRequest, log_error
+from relayrl.serve.limits import number
+from relayrl.serve.native import ServerState
+from relayrl.serve.weights_disk import weight_version
 from relayrl.weight_group import DEFAULT_GROUP, WeightGroup, on_daemon_thread, parse_dtype
 
 DEFAULT_TIMEOUT = 600.0
@@ -72,11 +75,9 @@ def _text(body: dict[str, Any], key: str, default: str | None = None) -> str:
 
 
 def _integer(body: dict[str, Any], key: str, low: int, high: int | None = None) -> int:
-    value = number(body, key, None, int)
+    value = number(body, key, None, int, low=low, high=high)
     if value is None:
         raise BadRequest(key, "missing")
-    if value < low or (high is not None and value > high):
-        raise BadRequest(key, f"must be in [{low}, {high if high is not None else 'inf'}), got {value}")
     return value
 
 
@@ -155,9 +156,11 @@ def weight_routes(state: ServerState) -> list[Route]:
             group = await _in_daemon_thread(state, lambda: WeightGroup(**kw))
         except _ShuttingDown:
             return _answer(False, "server is shutting down", status=503)
-        except Exception as e:
+        except Exception as e:  # the details (addresses, torch's errors) go to the log, not to the client
             groups.pop(name, None)
-            return _answer(False, f"failed to join weights update group {name!r}: {type(e).__name__}: {e}")
+            rid = log_error("POST /init_weights_update_group", e)
+            return _answer(False, f"failed to join weights update group {name!r} (request id {rid}; details are in "
+                                  "the server log)")
         groups[name] = _Joined(group, asyncio.Lock())
         return _answer(True, f"joined weights update group {name!r} as rank {group.rank} of {group.world_size}")
 
@@ -165,7 +168,7 @@ def weight_routes(state: ServerState) -> list[Route]:
         name = body.get("group_name", DEFAULT_GROUP)
         try:
             _check_update_options(body)
-            specs, version = parse_update(body, state), _weight_version(body, state)
+            specs, version = parse_update(body, state), weight_version(body, state.engine.version)
             if groups.get(name) is None:
                 raise BadRequest("group_name", f"no weights update group named {name!r} (call "
                                  "/init_weights_update_group first)")
@@ -183,15 +186,16 @@ def weight_routes(state: ServerState) -> list[Route]:
     async def _receive_and_load(name: str, joined: _Joined, specs: list[Spec], version: int,
                                 body: dict[str, Any]) -> Any:
         if body.get("abort_all_requests"):
-            await asyncio.to_thread(state.engine.abort)
+            await state.abort()
         try:
             tensors = await _in_daemon_thread(state, joined.group.receive, specs)
         except _ShuttingDown:
             return _answer(False, "server is shutting down", status=503)
         except Exception as e:
             _drop(name, joined)
-            return _answer(False, f"receiving the weights failed, group {name!r} dropped: "
-                                  f"{type(e).__name__}: {e}", weight_version=state.engine.version)
+            rid = log_error("POST /update_weights_from_distributed", e)
+            return _answer(False, f"receiving the weights failed, group {name!r} dropped (request id {rid}; details "
+                                  "are in the server log)", weight_version=state.engine.version)
         await asyncio.to_thread(state.engine.update_weights, tensors, version)
         if body.get("flush_cache", True):
             await asyncio.to_thread(state.engine.flush_cache)

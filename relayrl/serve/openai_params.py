@@ -1,0 +1,178 @@
+"""Checks of OpenAI /v1 request bodies for `relayrl serve`: every field a client sends, against the limits.
+
+What the engine cannot honour is refused with 400 rather than ignored (stop strings, penalties, logit_bias,
+echo, best_of > 1: sampling from another distribution than asked corrupts RL data); vLLM's extensions that it
+can honour are (`top_k` with -1 = off, `ignore_eos`, `stop_token_ids`, `return_token_ids`). Messages and tools
+are checked for the shapes chat templates expect before a template sees them, so a malformed message is a
+400 naming it, not a template's exception.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from typing import Any
+
+from relayrl.engine.base import SamplingParams
+from relayrl.serve.errors import BadRequest
+from relayrl.serve.limits import (
+    CHARS_PER_TOKEN,
+    MAX_TOKENS_HINT,
+    ServerLimits,
+    boolean,
+    flag,
+    number,
+    seed,
+    stop_token_ids,
+    temperature,
+    top_k,
+    top_p,
+)
+
+log = logging.getLogger("relayrl.serve")
+# OpenAI / vLLM options that would change what is sampled: refused unless neutral
+NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0,
+           "best_of": 1, "echo": False, "suffix": None, "logit_bias": None}
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound; only the sampled token's logprob is returned
+
+
+def sampling(body: dict[str, Any], limits: ServerLimits, prompt_len: int) -> tuple[SamplingParams, int]:
+    """OpenAI sampling fields -> (SamplingParams, n); max_tokens defaults to what the context leaves."""
+    for key, neutral in NEUTRAL.items():
+        if body.get(key) not in (None, neutral):
+            raise BadRequest(key, f"is not supported (only {neutral})", "unsupported_value")
+    if body.get("stop"):
+        raise BadRequest("stop", "stop strings are not supported (stop_token_ids are)", "unsupported_value")
+    _check_extras(body)
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    room = max(1, min(limits.max_tokens, limits.max_seq_len - prompt_len))
+    max_tokens = number(body, key, room, int, low=1, high=limits.max_tokens, hint=MAX_TOKENS_HINT)
+    n = number(body, "n", 1, int, low=1)
+    limits.check_samples(n, "n")
+    return SamplingParams(max_new_tokens=limits.new_tokens(prompt_len, max_tokens), temperature=temperature(body),
+                          top_p=top_p(body), top_k=top_k(body, limits.vocab_size),
+                          stop_token_ids=stop_token_ids(body, limits.vocab_size),
+                          ignore_eos=flag(body, "ignore_eos", False), seed=seed(body, ("seed",), n)), n
+
+
+def _check_extras(body: dict[str, Any]) -> None:
+    """Fields that only shape the answer: the right type, or 400."""
+    flag(body, "return_token_ids", False)
+    logprobs = body.get("logprobs")
+    if not isinstance(logprobs, bool):  # chat: a boolean; completions: a count of alternatives (0..5)
+        number(body, "logprobs", None, int, low=0, high=MAX_TOP_LOGPROBS)
+    number(body, "top_logprobs", None, int, low=0, high=MAX_TOP_LOGPROBS)
+    for key in ("model", "user"):
+        if body.get(key) is not None and not isinstance(body[key], str):
+            raise BadRequest(key, "must be a string")
+
+
+def messages(raw: Any, limits: ServerLimits) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: string content (text parts joined), tool-call arguments as
+    objects (OpenAI sends them as JSON strings; templates render them with tojson)."""
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("messages", "must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+            raise BadRequest(where, 'must be an object with a "role" string')
+        m = {**m, "content": _content(m.get("content"), f"{where}.content")}
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise BadRequest(f"{where}.{key}", "must be a string")
+        if m.get("tool_calls"):
+            m["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        out.append(m)
+    return out
+
+
+def _content(content: Any, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        raise BadRequest(where, "must be a string or a list of text parts (only text is supported)")
+    texts = [p.get("text", "") for p in content]
+    if not all(isinstance(t, str) for t in texts):
+        raise BadRequest(where, "text parts must hold strings")
+    return "".join(texts)
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise BadRequest(where, "must be a list")
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRequest(f"{where}[{i}]", 'must be {"type": "function", "function": {"name", "arguments"}}')
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            with contextlib.suppress(ValueError, RecursionError):  # else the template shows the string as it came
+                args = json.loads(args)
+        elif args is not None and not isinstance(args, dict):
+            raise BadRequest(f"{where}[{i}].function.arguments", "must be a JSON string or an object")
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
+
+
+def tools(raw: Any) -> list[dict[str, Any]] | None:
+    """OpenAI function tools: [{"type": "function", "function": {"name", "description"?, "parameters"?}}]."""
+    if not raw:
+        return None
+    if not isinstance(raw, list):
+        raise BadRequest("tools", "must be a list of function tools")
+    for i, t in enumerate(raw):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadRequest(f"tools[{i}]", 'must be {"type": "function", "function": {"name": ...}}')
+        if not isinstance(fn.get("description", ""), str):
+            raise BadRequest(f"tools[{i}].function.description", "must be a string")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise BadRequest(f"tools[{i}].function.parameters", "must be an object (a JSON schema)")
+    return raw
+
+
+def check_size(parts: list[Any], limits: ServerLimits, field: str) -> None:
+    """Refuse text far longer than any prompt the server accepts before the template and tokenizer see it."""
+    chars, stack = 0, list(parts)
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            chars += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    if chars > limits.max_prompt_tokens * CHARS_PER_TOKEN:
+        raise BadRequest(field, f"{chars} characters of text is longer than any prompt this server accepts "
+                         f"({limits.max_prompt_tokens} tokens; --max-prompt-tokens)", "context_length_exceeded")
+
+
+def render_error(e: Exception) -> BadRequest:
+    """A chat template that fails on the messages is the request's fault; only a template's own message
+    (raise_exception: "roles must alternate ...") is passed on, anything else goes to the log."""
+    from jinja2 import TemplateError
+
+    if type(e) is TemplateError and str(e):
+        return BadRequest("messages", f"the chat template refuses them: {str(e)[:300]}")
+    log.warning("chat template failed on a request's messages", exc_info=True)
+    return BadRequest("messages", "could not be rendered with the model's chat template")
+
+
+def completion_prompts(prompt: Any, limits: ServerLimits) -> list[str | list[int]]:
+    """`prompt` as a string, token ids, or a batch of either; each checked, the batch within --max-n."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and not isinstance(prompt[0], str | list)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise BadRequest("prompt", "must be a string, a list of token ids, or a non-empty list of either")
+    limits.check_samples(len(prompt), "prompt")
+    return [limits.check_text(p, f"prompt[{i}]") if isinstance(p, str) else limits.check_prompt(p, f"prompt[{i}]")
+            for i, p in enumerate(prompt)]
+
+
+def logprobs_wanted(body: dict[str, Any], chat: bool) -> bool:
+    if chat:
+        return boolean(body.get("logprobs"), False, "logprobs")
+    return body.get("logprobs") not in (None, False)

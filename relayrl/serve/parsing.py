@@ -1,0 +1,144 @@
+"""Parsing of SGLang /generate requests into engine jobs, every field checked against the server's limits.
+
+Kept apart from the routes (`relayrl.serve.native`) so the whole of what a client can send is in one place.
+top_k follows SGLang (-1 = off; relayrl's 0 = off is accepted too); a seeded group of n gets seeds seed,
+seed+1, ... so its samples differ yet repeat exactly. max_new_tokens is clamped to what the context leaves
+(generation would stop there anyway) before it is counted against the in-flight budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from relayrl.engine.base import SamplingParams
+from relayrl.serve.errors import BadRequest
+from relayrl.serve.limits import (
+    MAX_TOKENS_HINT,
+    ServerLimits,
+    boolean,
+    flag,
+    number,
+    rid,
+    seed,
+    stop_token_ids,
+    temperature,
+    top_k,
+    top_p,
+)
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+_NEUTRAL = {"min_new_tokens": 0, "frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1,
+            "min_p": 0}
+_UNSUPPORTED = ("stop", "stop_regex", "regex", "json_schema", "ebnf", "structural_tag", "logit_bias",
+                "custom_params")
+_EXTRAS_ONLY = ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval")
+_KNOWN = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "seed",
+          "sampling_seed", "n", *_NEUTRAL, *_UNSUPPORTED, *_EXTRAS_ONLY}
+Tokenize = Callable[[list[str]], Awaitable[list[list[int]]]]
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    params: SamplingParams
+    rid: str
+    engine_rid: str | None  # only client-named requests are abortable / keep their KV for the next turn
+    logprobs: bool
+    skip_special_tokens: bool = True  # for `text` only; output_ids always hold every token
+
+    @property
+    def cost(self) -> int:
+        return len(self.prompt) + self.params.max_new_tokens
+
+
+def _check_supported(raw: dict[str, Any], where: str) -> None:
+    for key, value in raw.items():
+        if key in _NEUTRAL and value is not None and value != _NEUTRAL[key]:
+            raise BadRequest(f"{where}.{key}", f"is not supported (only {_NEUTRAL[key]})")
+        if key in _UNSUPPORTED and value:
+            hint = "; use stop_token_ids" if key == "stop" else ""
+            raise BadRequest(f"{where}.{key}", f"is not supported{hint}")
+        if key not in _KNOWN:
+            raise BadRequest(f"{where}.{key}"[:200], "unknown sampling parameter")
+
+
+def parse_sampling(raw: Any, limits: ServerLimits, where: str = "sampling_params") -> tuple[SamplingParams, int]:
+    """SGLang sampling_params -> (SamplingParams, n), every value finite and inside the server's limits."""
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise BadRequest(where, "must be an object")
+    _check_supported(raw, where)
+    n = number(raw, "n", 1, int, where, low=1)
+    limits.check_samples(n, f"{where}.n")
+    params = SamplingParams(
+        max_new_tokens=number(raw, "max_new_tokens", min(DEFAULT_MAX_NEW_TOKENS, limits.max_tokens), int, where,
+                              low=1, high=limits.max_tokens, hint=MAX_TOKENS_HINT),
+        temperature=temperature(raw, where), top_p=top_p(raw, where), top_k=top_k(raw, limits.vocab_size, where),
+        stop_token_ids=stop_token_ids(raw, limits.vocab_size, where), ignore_eos=flag(raw, "ignore_eos", False, where),
+        seed=seed(raw, ("seed", "sampling_seed"), n, where))
+    return params, n
+
+
+async def _prompts(body: dict[str, Any], limits: ServerLimits, tokenize: Tokenize) -> tuple[list[list[int]], bool]:
+    """(prompts, is_batch) from input_ids (the main path) or text (tokenized off the event loop)."""
+    ids = body.get("input_ids")
+    if ids is None and body.get("text") is not None:
+        text = body["text"]
+        texts = text if isinstance(text, list) else [text]
+        if not texts:
+            raise BadRequest("text", "must be a string or a non-empty list of strings")
+        limits.check_samples(len(texts), "text")
+        texts = [limits.check_text(t, f"text[{i}]" if isinstance(text, list) else "text") for i, t in enumerate(texts)]
+        ids = await tokenize(texts)
+        ids = ids if isinstance(text, list) else ids[0]
+        field = "text"
+    else:
+        field = "input_ids"
+    if ids is None:
+        raise BadRequest("input_ids", "missing (send input_ids, or text)")
+    if isinstance(ids, list) and ids and all(isinstance(p, list) for p in ids):
+        limits.check_samples(len(ids), field)
+        return [limits.check_prompt(p, f"{field}[{i}]") for i, p in enumerate(ids)], True
+    return [limits.check_prompt(ids, field)], False
+
+
+def _per_prompt(value: Any, count: int, field: str) -> list[Any]:
+    """SGLang lets most fields be one value for the batch or a list with one value per prompt."""
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise BadRequest(field, f"has {len(value)} entries for {count} prompts")
+    return value
+
+
+async def parse_generate(body: dict[str, Any], limits: ServerLimits, tokenize: Tokenize) -> tuple[list[Job], bool]:
+    """One Job per sample (prompt-major when sampling_params.n > 1) and whether to answer with a list. The
+    request as a whole must fit --max-n and the in-flight budget."""
+    if flag(body, "stream", False):
+        raise BadRequest("stream", "streaming is not supported")
+    prompts, batch = await _prompts(body, limits, tokenize)
+    listed = isinstance(body.get("sampling_params"), list)
+    raw_params = _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params")
+    rids = _per_prompt(body.get("rid"), len(prompts), "rid") if batch else [body.get("rid")]
+    logprobs = _per_prompt(body.get("return_logprob"), len(prompts), "return_logprob")
+    parsed = []
+    for i, (prompt, raw, name, lp) in enumerate(zip(prompts, raw_params, rids, logprobs)):
+        where = f"sampling_params[{i}]" if listed else "sampling_params"
+        params, n = parse_sampling(raw, limits, where)
+        params = dataclasses.replace(params, max_new_tokens=limits.new_tokens(len(prompt), params.max_new_tokens))
+        name = rid(name, f"rid[{i}]" if batch and isinstance(body.get("rid"), list) else "rid")
+        lp = boolean(lp, False, f"return_logprob[{i}]" if isinstance(body.get("return_logprob"), list)
+                     else "return_logprob")
+        parsed.append((prompt, params, n, name, lp, flag(raw or {}, "skip_special_tokens", True, where)))
+    limits.check_samples(sum(p[2] for p in parsed), "sampling_params.n")
+    jobs: list[Job] = []
+    for prompt, params, n, name, lp, skip in parsed:
+        for k in range(n):  # a seeded group gets seeds seed..seed+n-1: distinct samples, still reproducible
+            seeded = params if params.seed is None or k == 0 else dataclasses.replace(params, seed=params.seed + k)
+            jobs.append(Job(prompt, seeded, name or uuid.uuid4().hex, name, lp, skip))
+    limits.check_cost(sum(j.cost for j in jobs), "sampling_params.max_new_tokens")
+    return jobs, batch or len(jobs) > 1
