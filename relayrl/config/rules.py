@@ -36,6 +36,9 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "engine.launch_timeout": _above(0),
     "sampling.top_k": _at_least(0),
     "sampling.stop_token_ids": _at_least(0),
+    "judge.memory_mb": ((lambda v: v == 0 or v >= 256),
+                        "must be >= 256 (a worker's interpreter and reward module need about 200 MiB) or 0: no limit"),
+    "judge.max_abs_reward": _above(0),
     "agent.timeout": _above(0),
     "scheduler.producer_threads": _at_least(1),
     "algo.clip_low": _fraction(),  # 1 - clip_low is the lowest ratio kept: it must stay > 0
