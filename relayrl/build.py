@@ -8,6 +8,7 @@ errors are ConfigErrors naming the key to fix. A new run whose build fails leave
 
 from __future__ import annotations
 
+import inspect
 import random
 import shutil
 import time
@@ -161,7 +162,23 @@ def check_user_code(cfg: Config) -> type[Agent]:
     if problem is not None:
         name, why = problem
         raise ConfigError(why, key=f"judge.kwargs.{name}" if name else "judge.reward_fn")
+    _check_agent_kwargs(agent_cls, cfg.agent.kwargs)
     return agent_cls
+
+
+def _check_agent_kwargs(agent_cls: type[Agent], kwargs: dict) -> None:
+    """Unknown agent.kwargs fail here, not after the models load (unless the agent takes **kwargs)."""
+    try:
+        params = inspect.signature(agent_cls.__init__).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)][5:]
+    for name in kwargs:  # the first five are self, rollout_ctl, tokenizer, sampling, judge: build passes them
+        if name not in named:
+            hint = f"its options are {', '.join(named)}" if named else "it takes no options"
+            raise ConfigError(f"unknown option for agent {agent_cls.__name__}; {hint}", key=f"agent.kwargs.{name}")
 
 
 def sampling_params(cfg: Config, temperature: float | None = None) -> SamplingParams:

@@ -107,6 +107,9 @@ def test_cli_prints_input_errors_without_a_traceback_and_leaves_no_folder(tiny_p
         (["judge.reward_fn=agents_for_tests:no_such_fn"], "config error: judge.reward_fn: module "
                                                           "'agents_for_tests' has no attribute 'no_such_fn'"),
         (["agent.kind=no_such_module:Agent"], "config error: agent.kind: cannot import module 'no_such_module'"),
+        (["agent.kind=reflection", "agent.kwargs={max_turn: 3}"], "config error: agent.kwargs.max_turn: unknown "
+                                                                   "option for agent ReflectionAgent; its options are "
+                                                                   "max_turns"),
     ]
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(b'{"question": "a", "answer": "1"}\n{"question": "caf\xe9", "answer": "2"}\n')

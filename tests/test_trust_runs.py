@@ -16,6 +16,7 @@ from relayrl import checkpoint
 from relayrl.build import build
 from relayrl.config import ConfigError
 from relayrl.config.schema import load_run_config
+from relayrl.judge import WorkerCrashed
 from relayrl.loop import train_colocated
 from relayrl.trajectories import load_trajectories
 from relayrl.utils import read_jsonl
@@ -119,10 +120,15 @@ def test_auto_resume_without_a_checkpoint_moves_the_earlier_attempt_aside(tiny_p
 
 
 def test_a_failed_build_leaves_no_folder(tiny_path, tagged, tmp_path):
-    """The agent's kwargs are only checked when it is built, after the models load: the new run folder (and
-    the output folder this build created) are removed again."""
+    """A reward module that fails only in the judge workers is found after the models load and the run folder
+    exists: the build fails, and the folder (with the output folder this build created) is removed again."""
     out = tmp_path / "fresh" / "runs"
-    args = args_for(tiny_path, tagged, out, "bad", **{"agent.kwargs": "{no_such_option: 1}"})
-    with pytest.raises(TypeError, match="no_such_option"):
+    args = args_for(tiny_path, tagged, out, "bad", **{"judge.reward_fn": "worker_refusing_reward:reward"})
+    with pytest.raises(WorkerCrashed, match="refuses to load in a worker process"):
         build(load_run_config(None, args))
     assert not (tmp_path / "fresh").exists()
+    (tmp_path / "mine" / "run").mkdir(parents=True)  # an empty folder the user made is emptied, not removed
+    with pytest.raises(WorkerCrashed):
+        build(load_run_config(None, args_for(tiny_path, tagged, tmp_path / "mine", "run", **{
+            "judge.reward_fn": "worker_refusing_reward:reward"})))
+    assert (tmp_path / "mine" / "run").is_dir() and not any((tmp_path / "mine" / "run").iterdir())
