@@ -377,6 +377,10 @@ def test_memory_limit_costs_the_sample_and_replaces_the_worker() -> None:
         assert _judge_all(judge, [_sample("abc", mode="ok")])[0].reward == 0.5
     with Judge("judge_fns:misbehave", workers=1) as unlimited:  # the default (0 here): no cap, it allocates
         assert _judge_all(unlimited, [_sample("x", mode="allocate")])[0].reward == 2**30
+    with Judge("judge_fns:misbehave", workers=1, memory_mb=64) as starved:  # below what the loaded worker maps
+        starved.start()
+        with pytest.raises(WorkerCrashed, match=r"(?s)already maps \d+ MiB.*judge.memory_mb=64 MiB"):
+            starved.wait_ready()
 
 
 def test_reward_kwargs_are_checked_against_the_signature() -> None:

@@ -218,7 +218,7 @@ class JudgeConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     timeout: float = 10.0
     workers: int = 2
-    memory_mb: int = 4096  # address-space cap per reward worker (RLIMIT_AS); a call over it is rejected. 0: none
+    memory_mb: int = 4096  # address-space cap per reward worker (RLIMIT_AS; CUDA in a worker needs 0: none)
     max_abs_reward: float | None = 1e4  # |reward| above this rejects the sample (null: only NaN/inf are rejected)
 
     def validate(self) -> None:

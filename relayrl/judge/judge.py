@@ -113,7 +113,14 @@ class Judge:
 
     def wait_ready(self) -> None:
         """Block until the workers have imported the reward module; a broken module fails here."""
-        self.pool.wait_ready()
+        try:
+            self.pool.wait_ready()
+        except WorkerCrashed as e:
+            if self.pool.memory_mb and "MemoryError" in str(e):
+                raise WorkerCrashed(f"{e}\n(the reward module needs more than judge.memory_mb="
+                                    f"{self.pool.memory_mb} MiB of address space to load: raise it, or 0: no limit)"
+                                    ) from None
+            raise
 
     def close(self) -> None:
         self.pool.close()
@@ -142,7 +149,8 @@ class Judge:
             reason, text = e.reason, f"reward {self.reward_path} {e}"
         elif isinstance(e, TimeoutError):
             reason, text = "timeout", f"reward {self.reward_path} timed out after {self.timeout:g}s"
-        elif isinstance(e, RemoteError) and e.exc_type == "MemoryError":
+        elif isinstance(e, RemoteError) and (e.exc_type == "MemoryError" or (
+                self.pool.memory_mb and "out of memory" in e.message.lower())):  # CUDA's error under the cap
             reason = "memory"
             text = f"reward {self.reward_path} ran out of memory (judge.memory_mb={self.pool.memory_mb})"
         elif isinstance(e, RemoteError):

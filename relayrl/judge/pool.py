@@ -8,11 +8,12 @@ that worker and starts a replacement, and every other worker carries on.
 Why 'spawn' (or 'forkserver'), never 'fork': the parent holds torch/CUDA threads, and a forked child
 inherits their locks in whatever state they were in.
 
-With `memory_mb`, each worker caps its own address space (RLIMIT_AS) before it imports anything, so a
+With `memory_mb`, each worker caps its own address space (RLIMIT_AS) once its modules are loaded, so a
 reward function that blows up (sympy expanding 10^10^10) fails with MemoryError in its own process instead
 of the machine's OOM killer picking a victim, perhaps the trainer. A call that ends in MemoryError costs
 that call; its worker is then replaced, since a process that ran out of memory mid-call may hold
-half-built state.
+half-built state. A cap that leaves less than 64 MiB above what the loaded worker already maps fails the
+worker's start-up (every call would fail otherwise).
 
 Workers start lazily (or all at once with `start()`), import `preload` modules, then report ready;
 `timeout` counts only the call itself, never interpreter start-up or those imports. The function to run
@@ -63,9 +64,9 @@ def _worker_main(conn: Any, preload: tuple[str, ...], memory_mb: int = 0) -> Non
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_when_orphaned()
     try:
-        _limit_memory(memory_mb)
         for module in preload:
             importlib.import_module(module)
+        _limit_memory(memory_mb)
         conn.send_bytes(pickle.dumps(("ok", None)))
     except BaseException as e:
         conn.send_bytes(_error_reply(e))
@@ -82,12 +83,29 @@ def _worker_main(conn: Any, preload: tuple[str, ...], memory_mb: int = 0) -> Non
 def _limit_memory(memory_mb: int) -> None:
     """Cap this process's address space; allocations beyond it raise MemoryError (0: no limit).
 
-    RLIMIT_AS rather than RLIMIT_DATA: it also covers mmap, which large numpy/sympy allocations use.
+    RLIMIT_AS rather than RLIMIT_DATA: it also covers mmap, which large numpy/sympy allocations use. Set after
+    the imports (spawn's bootstrap has imported most of them anyway), refused if it leaves no room for calls.
     """
     if memory_mb > 0:
+        used = _mapped_mb()
+        if used is not None and used + _HEADROOM_MB > memory_mb:
+            raise MemoryError(f"the loaded worker already maps {used} MiB of address space: a cap of {memory_mb} "
+                              f"MiB leaves less than {_HEADROOM_MB} MiB for the calls")
         limit = memory_mb * 2**20
         _, hard = resource.getrlimit(resource.RLIMIT_AS)
         resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+
+
+_HEADROOM_MB = 64
+
+
+def _mapped_mb() -> int | None:
+    """This process's address space (VmSize) in MiB, or None where /proc is not there."""
+    try:
+        pages = int(open("/proc/self/statm").read().split()[0])  # noqa: SIM115 - one read of a proc file
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") // 2**20
 
 
 def _execute(payload: bytes, resolved: dict[str, Any]) -> bytes:
