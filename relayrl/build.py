@@ -1,13 +1,17 @@
 """Build the components of a run from its config, cheapest checks first.
 
-Everything that can fail because of user input (datasets, reward function, output folder, agent
-class) is checked before any model weights are loaded, so a typo costs seconds, not minutes.
+Everything that can fail because of user input (datasets, reward function and its kwargs, output folder,
+agent class) is checked before any model weights are loaded, so a typo costs seconds, not minutes; such
+errors are ConfigErrors naming the key to fix. A new run whose build fails leaves no folder behind
+(unless it holds a launched server's log, which explains the failure).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +20,7 @@ import torch
 
 from relayrl import checkpoint
 from relayrl.agents import AGENTS, Agent
-from relayrl.config import dump_yaml
+from relayrl.config import ConfigError, dump_yaml
 from relayrl.config.schema import Config
 from relayrl.data import DataManager, PromptBuilder, load_rows
 from relayrl.engine.base import SamplingParams
@@ -25,7 +29,7 @@ from relayrl.engine.remote import RemoteEngine
 from relayrl.env import Env
 from relayrl.evaluator import Evaluator
 from relayrl.hardware import resolve_dtype
-from relayrl.judge import Judge
+from relayrl.judge import Judge, reward_kwargs_problem
 from relayrl.launcher import ManagedServer, free_port, make_server
 from relayrl.metrics import MetricsLogger
 from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path, save_pretrained_atomic
@@ -67,8 +71,9 @@ class Components:
         if self.eval_data is None:
             return {}
         self.eval_data.reset()
-        self.env.produce_batch(self.eval_data, len(self.eval_data), agent=self.eval_agent)
-        return self.evaluator.evaluate(self.eval_data.get_batch())
+        stats = self.env.produce_batch(self.eval_data, len(self.eval_data), agent=self.eval_agent)
+        metrics = self.evaluator.evaluate(self.eval_data.get_batch())
+        return metrics | {"eval/rejected": stats.get("judge/rejected", 0.0)}  # not in the eval means: visible here
 
     # ---- the async loop's view of the rollout side, the same for both placements -----------------------
     def start_producer(self) -> None:
@@ -131,18 +136,60 @@ class Components:
 
 
 def new_run_dir(cfg: Config) -> Path:
-    """output_dir/name, or name-2, name-3... if taken; fails early if the folder is not writable."""
+    """output_dir/name, or name-2, name-3... if taken (not created here: `_run_folder` does, once it is used)."""
     base = Path(cfg.run.output_dir) / cfg.run.name
     path, n = base, 1
     while path.exists() and any(path.iterdir()):
         n += 1
         path = base.with_name(f"{base.name}-{n}")
-    check_writable(path, "run.output_dir")
     return path
 
 
 def agent_class(kind: str) -> type[Agent]:
-    return AGENTS[kind] if kind in AGENTS else import_from_path(kind)
+    return AGENTS[kind] if kind in AGENTS else _user_code(kind, "agent.kind")
+
+
+def _user_code(path: str, key: str) -> object:
+    """The object a config key names by import path; a typo is a ConfigError naming the key."""
+    try:
+        return import_from_path(path)
+    except (ImportError, ValueError) as e:
+        raise ConfigError(str(e), key=key) from None
+
+
+def check_user_code(cfg: Config) -> type[Agent]:
+    """Import the agent, group filter and reward function the config names, and check judge.kwargs against
+    the reward function's signature: unknown or missing arguments would otherwise fail in every worker call,
+    i.e. train on nothing but rejected samples. Returns the agent class."""
+    agent_cls = agent_class(cfg.agent.kind)
+    try:
+        group_filter(cfg.scheduler.group_filter)
+    except (ImportError, ValueError) as e:
+        raise ConfigError(str(e), key="scheduler.group_filter") from None
+    fn = _user_code(cfg.judge.reward_fn, "judge.reward_fn")
+    if not callable(fn):
+        raise ConfigError(f"{cfg.judge.reward_fn!r} is a {type(fn).__name__}, not a function", key="judge.reward_fn")
+    problem = reward_kwargs_problem(fn, cfg.judge.kwargs)
+    if problem is not None:
+        name, why = problem
+        raise ConfigError(why, key=f"judge.kwargs.{name}" if name else "judge.reward_fn")
+    _check_agent_kwargs(agent_cls, cfg.agent.kwargs)
+    return agent_cls
+
+
+def _check_agent_kwargs(agent_cls: type[Agent], kwargs: dict) -> None:
+    """Unknown agent.kwargs fail here, not after the models load (unless the agent takes **kwargs)."""
+    try:
+        params = inspect.signature(agent_cls.__init__).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)][5:]
+    for name in kwargs:  # the first five are self, rollout_ctl, tokenizer, sampling, judge: build passes them
+        if name not in named:
+            hint = f"its options are {', '.join(named)}" if named else "it takes no options"
+            raise ConfigError(f"unknown option for agent {agent_cls.__name__}; {hint}", key=f"agent.kwargs.{name}")
 
 
 def sampling_params(cfg: Config, temperature: float | None = None) -> SamplingParams:
@@ -174,13 +221,13 @@ def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) 
     train_rows = load_rows(cfg.data.train) if role != "eval" else None
     eval_rows = load_rows(cfg.data.eval)[: cfg.eval.size] if cfg.data.eval else None
     if role == "eval" and not eval_rows:
-        raise ValueError("data.eval: evaluation needs an eval dataset")
-    agent_cls = agent_class(cfg.agent.kind)
-    group_filter(cfg.scheduler.group_filter)  # a bad filter path fails here, before any model loads
+        raise ConfigError("evaluation needs an eval dataset", key="data.eval")
+    agent_cls = check_user_code(cfg)  # before any model loads
     if role == "trainer":
-        import_from_path(cfg.judge.reward_fn)
         return _build_trainer(cfg)
-    judge = Judge(cfg.judge.reward_fn, cfg.judge.kwargs, timeout=cfg.judge.timeout, workers=cfg.judge.workers)
+    j = cfg.judge
+    judge = Judge(j.reward_fn, j.kwargs, timeout=j.timeout, workers=j.workers, max_abs_reward=j.max_abs_reward,
+                  memory_mb=j.memory_mb)
     judge.start()  # worker start-up overlaps model loading
     try:
         return _build_with_judge(cfg, train_rows, eval_rows, agent_cls, judge, role, run_dir)
@@ -203,22 +250,52 @@ def resolve_precision(cfg: Config, quiet: bool = False) -> Config:
                                model=dataclasses.replace(cfg.model, autocast_bf16=autocast))
 
 
-def _run_folder(cfg: Config, resume: bool) -> tuple[Path, Path | None]:
-    """A new run folder; or, resuming, the run's own folder (cut back to its checkpoint) and that checkpoint."""
+def _run_folder(cfg: Config, resume: bool) -> tuple[Path, Path | None, Path | bool]:
+    """A new run folder; or, resuming, the run's own folder (its logs after the checkpoint moved aside) and that
+    checkpoint. The third value says what `discard_new_run` may undo: False when resuming (nothing), True for
+    a folder that existed empty (its contents), else the topmost folder this call created."""
     if resume:
         run_dir, ckpt = checkpoint.resume_target(cfg)
         checkpoint.prepare_resume(run_dir, ckpt)
+        created: Path | bool = False
     else:
         run_dir, ckpt = new_run_dir(cfg), None
+        created = next((p for p in reversed([run_dir, *run_dir.parents]) if not p.exists()), True)
+        check_writable(run_dir, "run.output_dir")
     dump_yaml(cfg, str(run_dir / "config.yaml"))
-    return run_dir, ckpt
+    return run_dir, ckpt, created
+
+
+# what a build writes into a new run folder before training: removed again if the build fails
+_SCAFFOLD = ("config.yaml", "tensorboard", "checkpoints", "weights", ".write_test")
+
+
+def discard_new_run(run_dir: Path, created: Path | bool) -> None:
+    """Undo a new run folder whose build failed (see `_run_folder` for `created`), so a failed start leaves
+    nothing behind. Kept as it is when it holds anything else (a launched server's log names the cause)."""
+    entries = list(run_dir.iterdir()) if run_dir.is_dir() and created is not False else []
+    if any(e.name not in _SCAFFOLD for e in entries):
+        return
+    for e in entries:
+        shutil.rmtree(e, ignore_errors=True) if e.is_dir() else e.unlink(missing_ok=True)
+    if isinstance(created, Path):  # the folders this build made, innermost first, while empty
+        for folder in [run_dir, *run_dir.parents]:
+            if not folder.is_dir() or any(folder.iterdir()):
+                break
+            folder.rmdir()
+            if folder == created:
+                break
 
 
 def _build_trainer(cfg: Config) -> Components:
     """The trainer of separate placement; its producer process starts first so both load models at once."""
-    run_dir, _ = _run_folder(cfg, resume=False)  # the config refuses checkpoints with separate placement
+    run_dir, _, created = _run_folder(cfg, resume=False)  # the config refuses checkpoints with separate placement
     host = rendezvous_host()
-    producer = ProducerHandle(cfg, run_dir, dist_address=f"{host}:{free_port(host)}")
+    try:
+        producer = ProducerHandle(cfg, run_dir, dist_address=f"{host}:{free_port(host)}")
+    except BaseException:
+        discard_new_run(run_dir, created)
+        raise
     try:
         model_path = resolve_model_path(cfg.model.path)
         tokenizer = load_tokenizer(model_path)
@@ -226,6 +303,7 @@ def _build_trainer(cfg: Config) -> Components:
         logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
     except BaseException:
         producer.stop()
+        discard_new_run(run_dir, created)
         raise
     trajectories = TrajectoryLogger(run_dir, tokenizer) if cfg.run.log_trajectories else None
     return Components(cfg, run_dir, tokenizer, None, None, None, None, train_ctl, logger,
@@ -249,17 +327,27 @@ def _pad_id(tokenizer, eos: list[int]) -> int:
 
 def _build_with_judge(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge, role: str,
                       run_dir: Path | None) -> Components:
-    ckpt = None
-    if run_dir is None:
-        run_dir, ckpt = _run_folder(cfg, resume=role == "colocated" and bool(cfg.run.resume))
+    if run_dir is not None:  # a producer process: the trainer owns the folder
+        return _assemble(cfg, train_rows, eval_rows, agent_cls, judge, role, run_dir, None)
+    run_dir, ckpt, created = _run_folder(cfg, resume=role == "colocated" and bool(cfg.run.resume))
+    try:
+        return _assemble(cfg, train_rows, eval_rows, agent_cls, judge, role, run_dir, ckpt)
+    except BaseException:
+        discard_new_run(run_dir, created)
+        raise
+
+
+def _assemble(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge, role: str, run_dir: Path,
+              ckpt: Path | None) -> Components:
+    """Load the models and put the run together in its folder (the expensive part, after every cheap check)."""
     model_path = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_path)
     prompt_fn = PromptBuilder(tokenizer, cfg.data.prompt)
     eos = eos_token_ids(tokenizer, model_path)
     servers = launch_servers(cfg, model_path, run_dir)
-    train_ctl = _train_controller(cfg, model_path, _pad_id(tokenizer, eos)) if role == "colocated" else None
-    shared = train_ctl.engine.model if train_ctl is not None and shares_weights(cfg) else None
     try:
+        train_ctl = _train_controller(cfg, model_path, _pad_id(tokenizer, eos)) if role == "colocated" else None
+        shared = train_ctl.engine.model if train_ctl is not None and shares_weights(cfg) else None
         engines = make_engines(cfg, model_path, eos, run_dir, [s.url for s in servers], shared_model=shared)
     except BaseException:
         for server in servers:

@@ -7,18 +7,21 @@ A checkpoint is RUN_DIR/checkpoints/step_N/:
     data.pt        DataManager.state_dict() (loader position, epoch, drawn counter, prompts to generate
                    again) and the async scheduler's counters
     rng.pt         python `random`, torch's generators, each local engine's generator
-    logs.json      sizes of metrics.jsonl and trajectories/* at step N: a resume cuts them back to these
-    config.yaml    the config that wrote it (a resume warns about training keys that changed)
-    manifest.json  written last, with the size of every file above
+    logs.json      sizes of metrics.jsonl and trajectories/* at step N: a resume sets what follows aside
+    config.yaml    the config that wrote it (a resume warns about training keys that changed, and refuses
+                   another model.path)
+    manifest.json  written last, with the size and sha256 of every file above
 
 A sharded trainer (train.engine=fsdp) writes trainer_shards/ (every rank its shard of the policy and its
 optimizer) and a trainer.pt without the policy optimizer instead; relayrl.checkpoint_dist has the details,
 and the manifest records the world size.
 
 It is built in a hidden temp folder and renamed into place, so a crash leaves either no step_N or a
-complete one. A step_N without a manifest, or whose files do not match it, is incomplete: it is never
-resumed from. Older checkpoints are deleted (renamed away first, so a half-deleted one never looks
-complete) only once the new one is in place.
+complete one. A step_N without a manifest, or whose files do not match its sizes, is incomplete: it is never
+resumed from. A resume also checks every file's sha256 (damage after the write: a bad disk, a partial copy);
+a corrupt checkpoint is renamed to checkpoints/corrupt-step_N-* (kept, never deleted) and the resume falls
+back to the previous one with a warning, which needs run.keep_checkpoints >= 2. Older checkpoints are deleted
+(renamed away first, so a half-deleted one never looks complete) only once the new one is in place.
 
 Samples are not saved. A synchronous run has none between steps. An asynchronous run stops its producer
 for the checkpoint: the groups in flight requeue their prompt as they are cancelled, and the groups
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -44,6 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 import yaml
 
+from relayrl.checkpoint_logs import log_sizes, set_aside_after, set_aside_all
 from relayrl.config import ConfigError, dump_yaml, to_dict
 from relayrl.scheduler import AsyncScheduler
 from relayrl.trainer.lora import is_lora
@@ -55,7 +60,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: size and sha256 per file; format 1 (sizes only) is still read
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"step_(\d+)")
 
@@ -67,16 +72,40 @@ def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
 # ---- finding checkpoints ----------------------------------------------------------------------------
 def read_manifest(folder: Path) -> dict | None:
     """The manifest of a complete checkpoint folder, else None: missing or unreadable manifest, wrong
-    step, or a listed file missing or of another size (so a damaged checkpoint is never loaded)."""
+    step, or a listed file missing or of another size. Cheap (no file is read): `verify` checks contents."""
     m = _STEP.fullmatch(folder.name)
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
-        ok = (m is not None and manifest.get("format") == FORMAT and manifest.get("step") == int(m.group(1))
-              and all((folder / rel).is_file() and (folder / rel).stat().st_size == size
-                      for rel, size in manifest["files"].items()))
+        ok = (m is not None and manifest.get("format") in (1, FORMAT) and manifest.get("step") == int(m.group(1))
+              and all((folder / rel).is_file() and (folder / rel).stat().st_size == _size(entry)
+                      for rel, entry in manifest["files"].items()))
     except (OSError, ValueError, KeyError, AttributeError, TypeError):
         return None
     return manifest if ok else None
+
+
+def _size(entry: int | dict) -> int:
+    return entry["size"] if isinstance(entry, dict) else entry  # format 2 | format 1
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify(folder: Path) -> str | None:
+    """None if the checkpoint is complete and every file matches its sha256, else what is wrong. Reads every
+    file (about a second per GB), so it runs once per resume, on the checkpoint about to be loaded."""
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return "incomplete (no manifest, or a file missing or of another size)"
+    for rel, entry in manifest["files"].items():
+        if isinstance(entry, dict) and sha256_of(folder / rel) != entry["sha256"]:
+            return f"{rel} does not match the sha256 in its manifest"
+    return None
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -99,6 +128,7 @@ def resume_target(cfg: Config) -> tuple[Path, Path | None]:
     run_dir, ckpt = _find_resume_target(cfg)
     if ckpt is not None:
         check_layout(cfg, ckpt)
+        check_model(cfg, ckpt)
     return run_dir, ckpt
 
 
@@ -106,23 +136,78 @@ def _find_resume_target(cfg: Config) -> tuple[Path, Path | None]:
     spec = cfg.run.resume
     if spec == "auto":
         run_dir = Path(cfg.run.output_dir) / cfg.run.name
-        return run_dir, latest_checkpoint(run_dir)
+        return run_dir, latest_sound(run_dir)
     path = Path(spec).expanduser().resolve()
     if not _STEP.fullmatch(path.name):
-        found = latest_checkpoint(path)
+        found = latest_sound(path)
         if found is None:
             raise ConfigError(f"no complete checkpoint in {checkpoints_dir(path)}", key="run.resume")
         return path, found
     if path.parent.name != "checkpoints":
         raise ConfigError(f"{path} is not inside a run's checkpoints/ folder", key="run.resume")
-    if read_manifest(path) is None:
-        raise ConfigError(f"{path} is an incomplete checkpoint (no manifest, or files missing)", key="run.resume")
+    problem = verify(path)
+    if problem is not None:
+        raise ConfigError(f"{path} cannot be resumed from: {problem}", key="run.resume")
     run_dir = path.parent.parent
     newer = [p.name for s, p in list_checkpoints(run_dir) if s > int(_STEP.fullmatch(path.name).group(1))]
     if newer:
         raise ConfigError(f"{run_dir} has newer checkpoints ({', '.join(newer)}): resuming from {path.name} would "
                           "mix two histories in one run folder; delete them first", key="run.resume")
     return run_dir, path
+
+
+def latest_sound(run_dir: Path) -> Path | None:
+    """The newest checkpoint whose files match their checksums. A corrupt newer one is renamed to
+    checkpoints/corrupt-step_N-* (kept for inspection) with a warning, and the previous one is tried: with
+    run.keep_checkpoints=1 there is none. If every checkpoint is corrupt, refuse: starting again at step 0
+    would silently throw the run away."""
+    found = list_checkpoints(run_dir)
+    for _, folder in reversed(found):
+        problem = verify(folder)
+        if problem is None:
+            return folder
+        aside = folder.with_name(f"corrupt-{folder.name}-{time.time_ns()}")
+        os.rename(folder, aside)
+        logger.warning("checkpoint %s is corrupt (%s): moved to %s; falling back to the previous checkpoint "
+                       "(run.keep_checkpoints >= 2 keeps one)", folder, problem, aside.name)
+        print(f"warning: checkpoint {folder} is corrupt ({problem}); moved to {aside.name}")
+    if found:
+        raise ConfigError(f"every checkpoint in {checkpoints_dir(run_dir)} is corrupt (moved to corrupt-step_*); "
+                          "with run.keep_checkpoints >= 2 an older one would have been used", key="run.resume")
+    return None
+
+
+def check_model(cfg: Config, ckpt: Path) -> None:
+    """Refuse, before any model loads, to resume a checkpoint with another model.path than it was trained from:
+    the tokenizer, architecture (and with LoRA the base weights) come from model.path, so another model would
+    fail later or, worse, train on. A model folder moved elsewhere passes if its config.json is the same."""
+    try:
+        old = yaml.safe_load((ckpt / "config.yaml").read_text())["model"]["path"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return  # no record to compare with (written by hand, or by an older relayrl)
+    new = cfg.model.path
+    if _same_path(old, new) or (not Path(old).expanduser().exists() and _same_architecture(ckpt / "model", new)):
+        return
+    raise ConfigError(f"{ckpt} was trained from model {old!r}, not {new!r}: resume with model.path={old} (the "
+                      "weights come from the checkpoint; model.path gives the tokenizer and architecture)",
+                      key="model.path")
+
+
+def _same_path(a: str, b: str) -> bool:
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return a == b or (pa.exists() and pb.exists() and pa.resolve() == pb.resolve())
+
+
+def _same_architecture(saved: Path, path: str) -> bool:
+    def arch(folder: Path) -> dict | None:
+        try:
+            conf = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return {k: v for k, v in conf.items() if k not in ("_name_or_path", "torch_dtype", "transformers_version")}
+
+    mine = arch(Path(path).expanduser())
+    return mine is not None and mine == arch(saved)
 
 
 def check_layout(cfg: Config, ckpt: Path) -> None:
@@ -139,14 +224,19 @@ def check_layout(cfg: Config, ckpt: Path) -> None:
 
 
 def prepare_resume(run_dir: Path, ckpt: Path | None) -> None:
-    """Make the run folder look as it did at the checkpoint (at step 0 without one): logs written after it
-    (including a line torn by a crash) are cut off, since those steps are trained again."""
+    """Make the run folder's logs look as they did at the checkpoint, deleting nothing: what they got after it
+    (those steps are trained again; a line torn by a crash too) is moved to superseded/ (relayrl.checkpoint_logs).
+    Without a checkpoint the run starts at step 0 there, and what an earlier attempt left is moved aside."""
     check_writable(run_dir, "run.resume")
     _remove_temps(checkpoints_dir(run_dir))
-    sizes = json.loads((ckpt / "logs.json").read_text()) if ckpt is not None else {}
-    truncate_logs(run_dir, sizes)
-    print(f"resuming from {ckpt}" if ckpt is not None else f"no complete checkpoint in {run_dir}: starting at "
-          "step 0 in that folder")
+    if ckpt is not None:
+        step = int(_STEP.fullmatch(ckpt.name).group(1))
+        side = set_aside_after(run_dir, json.loads((ckpt / "logs.json").read_text()), step)
+        print(f"resuming from {ckpt}" + (f"; logs written after step {step} moved to {side}" if side else ""))
+        return
+    side = set_aside_all(run_dir)
+    print(f"no complete checkpoint in {run_dir}: starting at step 0 in that folder"
+          + (f"; what the earlier attempt left there moved to {side}" if side else ""))
 
 
 # ---- saving -------------------------------------------------------------------------------------------
@@ -197,18 +287,18 @@ def _write(c: Components, folder: Path, data: dict, rng: dict) -> dict:
         torch.save(c.train_ctl.state_dict(), folder / "trainer.pt")
     torch.save(data, folder / "data.pt")
     torch.save(rng, folder / "rng.pt")
-    (folder / "logs.json").write_text(json.dumps(_log_sizes(c.run_dir)))
+    (folder / "logs.json").write_text(json.dumps(log_sizes(c.run_dir)))
     dump_yaml(c.cfg, str(folder / "config.yaml"))
     return extra
 
 
 def _write_manifest(folder: Path, step: int, version: int, extra: dict | None = None) -> None:
-    """Flush every file to disk, then write the manifest: only then is the checkpoint complete."""
+    """Flush every file to disk and take its sha256, then write the manifest: only then is it complete."""
     files = {}
     for f in sorted(p for p in folder.rglob("*") if p.is_file()):
         with open(f, "rb+") as fh:
             os.fsync(fh.fileno())
-        files[str(f.relative_to(folder))] = f.stat().st_size
+        files[str(f.relative_to(folder))] = {"size": f.stat().st_size, "sha256": sha256_of(f)}
     manifest = {"format": FORMAT, "step": step, "version": version, "time": time.time(), **(extra or {}),
                 "files": files}
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
@@ -348,32 +438,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-# ---- logs and disk space ----------------------------------------------------------------------------------
-def _log_files(run_dir: Path) -> list[Path]:
-    traj = run_dir / "trajectories"
-    files = [run_dir / "metrics.jsonl", *(sorted(traj.rglob("*")) if traj.is_dir() else [])]
-    return [f for f in files if f.is_file()]
-
-
-def _log_sizes(run_dir: Path) -> dict[str, int]:
-    """Appends are whole lines (one write each), so these sizes always end on a line boundary."""
-    return {str(f.relative_to(run_dir)): f.stat().st_size for f in _log_files(run_dir)}
-
-
-def truncate_logs(run_dir: Path, sizes: dict[str, int]) -> None:
-    """Cut metrics.jsonl and the trajectory logs back to `sizes`; delete log files that did not exist then."""
-    for f in _log_files(run_dir):
-        size = sizes.get(str(f.relative_to(run_dir)))
-        if size is None:
-            f.unlink()
-        elif f.stat().st_size > size:
-            os.truncate(f, size)
-    traj = run_dir / "trajectories"
-    for d in sorted(traj.iterdir()) if traj.is_dir() else []:
-        if d.is_dir() and not any(d.iterdir()):
-            d.rmdir()
-
-
+# ---- disk space ------------------------------------------------------------------------------------------
 def checkpoint_bytes(c: Components) -> int:
     """About what one checkpoint takes: the trained weights plus Adam's two moments (critic included)."""
     models = [c.train_ctl.engine.model] + ([c.train_ctl.critic.model] if c.train_ctl.critic is not None else [])

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from relayrl.config import ConfigError
+from relayrl.utils import InputError
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except FileNotFoundError as e:
+    except (FileNotFoundError, InputError) as e:  # a user's file: the message names it (and the line)
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -30,6 +30,7 @@ class Status(enum.StrEnum):
     ARCHIVED = "archived"  # consumed by the trainer
     EXPIRED = "expired"  # too stale to train on
     SKIPPED = "skipped"  # dropped by a filter (e.g. a group whose rewards are all equal)
+    REJECTED = "rejected"  # no trustworthy reward (judge failed, NaN, out of range): never trained on, counted
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Turn:
     version_end: int
     finish_reason: str
     reward: float | None = None  # this turn's (discounted) return when an agent rewards turns separately
+    step_reward: float | None = None  # this turn's own reward (GAE places it on the turn's last token)
 
 
 _counter = itertools.count()

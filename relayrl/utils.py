@@ -37,12 +37,17 @@ def import_from_path(spec: str) -> Any:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write a file so that a crash leaves either the old or the new content, never half of it."""
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """`atomic_write_text` for bytes: temp file in the same folder, fsync, rename over the target."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
@@ -50,6 +55,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+class InputError(ValueError):
+    """A user-supplied file or value is unusable; the message names the file and line (or the key), so the
+    CLI prints it without a traceback."""
 
 
 def check_writable(path: str | os.PathLike, key: str) -> None:

@@ -92,3 +92,23 @@ class BrokenInitAgent(SingleTurnAgent):
 
     def __init__(self, *args, **kwargs):
         raise ValueError("broken agent: bad kwargs")
+
+
+def tagged_reward(response: str, data: dict[str, Any]) -> float:
+    """Misbehaves by the row's tag: NAN -> NaN, HUGE -> 1e9 (beyond judge.max_abs_reward); else even length."""
+    if "NAN" in data["question"]:
+        return float("nan")
+    if "HUGE" in data["question"]:
+        return 1e9
+    return float(len(response) % 2 == 0)
+
+
+class SoloAgent(SingleTurnAgent):
+    """Sets a NaN reward itself (bypassing the judge) on every sample but the first of a SOLO row's group,
+    which leaves that group with one trainable sample."""
+
+    async def generate_sample(self, sample: Sample) -> Sample:
+        sample = await super().generate_sample(sample)
+        if "SOLO" in sample.data["question"] and sample.index > 0:
+            sample.reward = float("nan")
+        return sample

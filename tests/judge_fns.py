@@ -29,6 +29,12 @@ def misbehave(response: str, data: dict[str, Any]) -> Any:
         return "1.0"
     if mode == "nan":
         return float("nan")
+    if mode == "inf":
+        return {"reward": float("-inf")}
+    if mode == "huge":
+        return 1e30
+    if mode == "allocate":  # far beyond any test's judge.memory_mb
+        return len(bytearray(2**30))
     if mode == "no_reward_key":
         return {"correct": 1.0}
     return {"reward": 0.5, "correct": True, "n_chars": len(response), "note": "not a number: dropped"}
@@ -58,3 +64,11 @@ def worker_pid() -> int:
 def sigint_handler() -> str:
     """How the worker treats SIGINT: Ctrl-C in a terminal reaches the whole process group."""
     return repr(signal.getsignal(signal.SIGINT))
+
+
+def any_kwargs_reward(response: str, data: dict[str, Any], **kwargs: Any) -> float:
+    return float(len(kwargs))
+
+
+def needs_target(response: str, data: dict[str, Any], *, target: int) -> float:
+    return float(len(response) == target)

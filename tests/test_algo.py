@@ -13,6 +13,7 @@ from relayrl.trainer.algo import (
     policy_loss,
     shape_rewards,
     token_weights,
+    turn_end_rewards,
     whiten,
 )
 
@@ -60,9 +61,20 @@ def test_groups_need_not_be_contiguous():
     close(adv, [0.5, -0.5, -0.5, 0.5])
 
 
-def test_leave_one_out_rejects_singleton_groups():
-    with pytest.raises(ValueError, match="at least 2"):
-        compute_advantages(torch.tensor([1.0, 0.0]), ["x", "y"], leave_one_out=True)
+@pytest.mark.parametrize("leave_one_out", [True, False])
+def test_singleton_groups_get_zero_advantage_never_an_error(leave_one_out):
+    # group x: 2, 0 (RLOO: 2 - 0 = 2 and 0 - 2 = -2; mean baseline: +-1); y and z: one sample each -> 0
+    adv = compute_advantages(torch.tensor([2.0, 5.0, 0.0, -3.0]), ["x", "y", "x", "z"], std="none",
+                             leave_one_out=leave_one_out)
+    close(adv, [2.0, 0.0, -2.0, 0.0] if leave_one_out else [1.0, 0.0, -1.0, 0.0])
+
+
+def test_turn_end_rewards_by_hand():
+    # response: gen gen | ctx ctx | gen gen gen | (empty turn) ; trained tokens: 5
+    mask = [1, 1, 0, 0, 1, 1, 1]
+    got = turn_end_rewards(mask, [(0, 2), (4, 7), (7, 7)], [0.5, 2.0, -1.0])
+    close(got, [0.0, 0.5, 0.0, 0.0, 2.0 - 1.0])  # the empty last turn adds to the last trained token
+    close(turn_end_rewards([0, 1, 1], [(1, 1), (1, 3)], [3.0, 1.0]), [3.0, 1.0])  # empty first turn: token 0
 
 
 def test_kl_estimators_match_formulas():

@@ -264,7 +264,7 @@ def _judge_all(judge: Judge, samples: list[Sample]) -> list[Sample]:
 
 @pytest.fixture(scope="module")
 def bad_judge():
-    judge = Judge("judge_fns:misbehave", timeout=1.0, workers=2)
+    judge = Judge("judge_fns:misbehave", timeout=1.0, workers=2, max_abs_reward=100.0)
     judge.start()
     yield judge
     judge.close()
@@ -278,21 +278,23 @@ def test_judge_merges_returned_metrics(bad_judge: Judge) -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "reason"),
+    ("mode", "code", "reason"),
     [
-        ("raise", "raised ZeroDivisionError: boom second line"),
-        ("exit", "exited with code 1"),
-        ("segfault", "killed by SIGSEGV"),
-        ("string", "non-number reward: '1.0'"),
-        ("nan", "non-number reward: nan"),
-        ("no_reward_key", "without 'reward'"),
+        ("raise", "error", "raised ZeroDivisionError: boom second line"),
+        ("exit", "crashed", "exited with code 1"),
+        ("segfault", "crashed", "killed by SIGSEGV"),
+        ("string", "invalid", "invalid reward: '1.0'"),
+        ("nan", "nonfinite", "nonfinite reward: nan"),
+        ("inf", "nonfinite", "nonfinite reward: -inf"),
+        ("huge", "out_of_range", "out-of-range reward: 1e+30"),
+        ("no_reward_key", "invalid", "without 'reward'"),
     ],
 )
-def test_judge_failure_is_zero_reward(bad_judge: Judge, mode: str, reason: str) -> None:
+def test_judge_failure_is_rejected_with_its_reason(bad_judge: Judge, mode: str, code: str, reason: str) -> None:
     calls, failures = bad_judge.calls, bad_judge.failures
     s = _judge_all(bad_judge, [_sample("x", mode=mode)])[0]
     assert s.reward == 0.0
-    assert s.metrics == {"reward": 0.0, "judge_failed": 1.0}
+    assert s.metrics == {"reward": 0.0, "judge_failed": 1.0, f"judge_rejected_{code}": 1.0}
     assert reason in s.error and "\n" not in s.error
     assert (bad_judge.calls, bad_judge.failures) == (calls + 1, failures + 1)
     assert _judge_all(bad_judge, [_sample("abcd", mode="ok")])[0].reward == 0.5  # the pool still works
@@ -361,3 +363,35 @@ def test_judge_rejects_bad_reward_fn_at_construction() -> None:
         Judge(local_reward)
     with pytest.raises(TypeError, match="picklable"):
         Judge("judge_fns:length_reward", reward_kwargs={"scale": lambda: 1})
+
+
+def test_memory_limit_costs_the_sample_and_replaces_the_worker() -> None:
+    """judge.memory_mb: a reward that allocates past the cap is rejected ("memory"), its worker is replaced,
+    and the next sample is scored normally."""
+    with Judge("judge_fns:misbehave", workers=1, memory_mb=512) as judge:
+        assert _judge_all(judge, [_sample("ab", mode="ok")])[0].reward == 0.5
+        before = judge.pool.worker_pids()
+        s = _judge_all(judge, [_sample("x", mode="allocate")])[0]
+        assert s.metrics["judge_rejected_memory"] == 1.0 and "judge.memory_mb=512" in s.error
+        assert judge.pool.worker_pids() != before  # replaced at once, not reused
+        assert _judge_all(judge, [_sample("abc", mode="ok")])[0].reward == 0.5
+    with Judge("judge_fns:misbehave", workers=1) as unlimited:  # the default (0 here): no cap, it allocates
+        assert _judge_all(unlimited, [_sample("x", mode="allocate")])[0].reward == 2**30
+    with Judge("judge_fns:misbehave", workers=1, memory_mb=64) as starved:  # below what the loaded worker maps
+        starved.start()
+        with pytest.raises(WorkerCrashed, match=r"(?s)already maps \d+ MiB.*judge.memory_mb=64 MiB"):
+            starved.wait_ready()
+
+
+def test_reward_kwargs_are_checked_against_the_signature() -> None:
+    from relayrl.judge import reward_kwargs_problem
+
+    with pytest.raises(TypeError, match=r"reward_kwargs\['scal'\]: unknown argument for reward function "
+                                        r"length_reward; its keyword arguments are scale"):
+        Judge("judge_fns:length_reward", reward_kwargs={"scal": 2.0})
+    assert reward_kwargs_problem(judge_fns.misbehave, {"x": 1})[0] == "x"  # takes no keyword arguments
+    assert reward_kwargs_problem(judge_fns.any_kwargs_reward, {"anything": 1}) is None  # **kwargs takes all
+    assert reward_kwargs_problem(judge_fns.needs_target, {}) == (
+        "target", "reward function needs_target requires argument 'target': set it in judge.kwargs")
+    assert reward_kwargs_problem(judge_fns.needs_target, {"target": 3}) is None
+    assert reward_kwargs_problem(judge_fns.echo, {})[0] == ""  # cannot take (response, data)

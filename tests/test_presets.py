@@ -189,15 +189,17 @@ def test_reinforce_pp_whitens_the_kl_shaped_return(tiny_path):
     assert stats["kl_ref"] == pytest.approx(sum(map(sum, KL)) / 12, abs=1e-6)
 
 
-def test_reinforce_pp_baseline_subtracts_group_mean_then_divides_by_batch_std(tiny_path):
+def test_reinforce_pp_baseline_subtracts_group_mean_then_whitens_over_the_batch(tiny_path):
     ctl = controller(tiny_path, "reinforce_pp_baseline", "algo.kl_coef=0.1", ref=True)
     batch = advantages(ctl, **_kl_inputs())
-    # group baselines 2/3 and .75, then the KL still to come: no second mean subtraction
+    # group baselines 2/3 and .75, then the KL still to come, then the paper's global normalisation:
+    # minus the batch's token mean (-0.45 / 12: sample baselines weigh tokens unequally, and the KL), over the std
     g = [1 / 3 - 0.02, 1 / 3, -2 / 3, -2 / 3, -2 / 3 + 0.01, *[1 / 3 - 0.04] * 4, 0.25 - 0.03, -0.25, -0.25]
-    std = statistics.stdev(g)
-    close(batch.per_token["advantages"], [x / std for x in g])
+    mean, std = statistics.fmean(g), statistics.stdev(g)
+    assert mean == pytest.approx(-0.45 / 12)
+    close(batch.per_token["advantages"], [(x - mean) / std for x in g])
     value, _ = loss(ctl, batch, per_token([-1.0] * 5))
-    assert value == pytest.approx(-sum(g) / std / 12, abs=1e-6)
+    assert value == pytest.approx(-sum((x - mean) / std for x in g) / 12, abs=1e-6)  # centred: about 0
 
 
 def test_gspo_clips_whole_sequences_on_their_geometric_mean_ratio(tiny_path):

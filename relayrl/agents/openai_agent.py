@@ -27,6 +27,7 @@ from relayrl.agents.chat import continuation_ids, end_of_turn_id
 from relayrl.agents.reflection import turn_returns
 from relayrl.agents.tool import parse_tool_calls, tools_system_prompt
 from relayrl.engine.base import GenOutput, SamplingParams
+from relayrl.judge import REJECTED_PREFIX
 from relayrl.sample import Sample, Status
 from relayrl.serve.openai_api import chat_response, make_openai_app
 from relayrl.tools import Tool
@@ -48,12 +49,14 @@ class Session:
 
     def __init__(self, sid: str, judge=None, row: dict[str, Any] | None = None):
         self.sid, self.calls, self.judge, self.row = sid, [], judge, row or {}
+        self.rejected: dict[str, float] = {}  # judge_rejected_<reason> of failed verdicts: the episode is rejected
 
     async def score(self, text: str) -> float:
         """The judge's verdict on `text` for this episode's row: its "correct" metric, else its reward."""
         if self.judge is None:
             raise RuntimeError("this agent has no judge")
         reward, metrics, _ = await self.judge.score(text, self.row, self.sid)
+        self.rejected |= {k: v for k, v in metrics.items() if k.startswith(REJECTED_PREFIX)}
         return float(metrics.get("correct", reward))
 
     def set_reward(self, completion_id: str, reward: float) -> None:
@@ -181,15 +184,17 @@ class OpenAIAgent(Agent):
         await self._reward(samples, session, result)
         for s in samples:
             s.response_text = self.decode(s.response_ids)
+            s.metrics.update(session.rejected)
             s.status = Status.COMPLETED
         return samples
 
     async def _reward(self, samples: list[Sample], session: Session, result: Any) -> None:
         if any(c.reward is not None for c in session.calls):
-            by_turn = iter(turn_returns([c.reward or 0.0 for c in session.calls], self.discount))
+            own = [c.reward or 0.0 for c in session.calls]
+            by_turn = iter(zip(turn_returns(own, self.discount), own))
             for s in samples:
                 for t in s.turns:
-                    t.reward = next(by_turn)
+                    t.reward, t.step_reward = next(by_turn)
                 s.reward = s.turns[0].reward
             return
         if result is None and self.judge is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from relayrl.agents.base import Agent
 from relayrl.agents.chat import continuation_ids, end_of_turn_id
+from relayrl.judge import REJECTED_PREFIX
 from relayrl.sample import Sample, Status
 
 DEFAULT_FEEDBACK = "Your answer is either wrong or could not be parsed. Please reflect on it and try again."
@@ -58,6 +59,7 @@ class ReflectionAgent(Agent):
             sample.append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason)
             _, metrics, error = await self.judge.score(self.decode(out.output_ids), sample.data, sample.uid)
             sample.error = error or sample.error
+            sample.metrics.update({k: v for k, v in metrics.items() if k.startswith(REJECTED_PREFIX)})
             successes.append(float(metrics.get("correct", metrics["reward"] > 0)))
             if successes[-1] or turn + 1 == self.max_turns or self._out_of_room(sample):
                 break
@@ -78,8 +80,8 @@ class ReflectionAgent(Agent):
     def _set_rewards(self, sample: Sample, successes: list[float]) -> None:
         rewards = [shaped(s, self.shaping, self.reward_scaling, self.reward_bias) for s in successes]
         if self.discount_mode == "per_turn":
-            for t, ret in zip(sample.turns, turn_returns(rewards, self.discount)):
-                t.reward = ret
+            for t, ret, r in zip(sample.turns, turn_returns(rewards, self.discount), rewards):
+                t.reward, t.step_reward = ret, r
             sample.reward = sample.turns[0].reward
         else:
             sample.reward = rewards[-1] * self.discount ** (len(rewards) - 1)

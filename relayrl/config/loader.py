@@ -9,6 +9,9 @@ Decisions worth knowing:
 - int/float fields also accept strings that look like numbers (``"1e-5"``), so a quoted or hand-built value
   still works; nothing else is converted from a string. ints are accepted for floats, integral floats
   (``1e3``) for ints; bools are never numbers.
+- numbers must be finite: ``.nan`` / ``.inf`` are refused for every int/float field (no key means "infinite";
+  keys that can be unlimited take ``null``), so a NaN cannot slip past ``x > 0``-style checks.
+- a file that is not UTF-8 or not valid YAML is reported with its line (and column), never a traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import math
 import re
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -82,18 +86,41 @@ _Loader.add_constructor("tag:yaml.org,2002:map", _construct_map)
 def _read_yaml(path: str) -> dict[str, Any]:
     """Read a YAML mapping; an empty file is an empty config."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.load(f, Loader=_Loader)  # a SafeLoader
+        with open(path, "rb") as f:
+            raw = f.read()
     except FileNotFoundError:
         raise ConfigError("config file not found", source=path) from None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise ConfigError(f"cannot read config file: {e}", source=path) from e
+    try:
+        data = yaml.load(decode_utf8(raw), Loader=_Loader)  # a SafeLoader
+    except ValueError as e:  # not UTF-8: decode_utf8 names the line
+        raise ConfigError(str(e), source=path) from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"invalid YAML: {e}", source=path) from e
+        raise ConfigError(_yaml_message(e), source=path) from None
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"the top level must be a mapping of keys to values, got {_describe(data)}",
                           source=path)
     return data or {}
+
+
+def decode_utf8(raw: bytes) -> str:
+    """``raw`` as text; raises ValueError naming the line and column of the first byte that is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(f"line {line}, column {column}: not UTF-8 text (byte 0x{raw[e.start]:02x}); "
+                         "save the file as UTF-8") from None
+
+
+def _yaml_message(e: yaml.YAMLError) -> str:
+    """'invalid YAML: line L, column C: problem' (PyYAML counts from 0 and names the stream, not the file)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = " ".join(str(p) for p in (getattr(e, "context", None), getattr(e, "problem", None)) if p) or str(e)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"invalid YAML: {where}{problem}"
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
@@ -290,13 +317,15 @@ _FLOAT_STR = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
 
 
 def _convert_scalar(tp: type, value: Any, key: str, coerce: bool) -> Any:
-    if type(value) is tp:
+    if type(value) is tp and not (tp is float and not math.isfinite(value)):
         return value
     number = None if isinstance(value, bool) or tp in (bool, str) else value  # bools are never numbers
     if coerce and isinstance(value, str) and tp in (int, float):
         text = value.strip()
         if _FLOAT_STR.fullmatch(text):  # ints match too; int() keeps big ints exact
             number = int(text) if _INT_STR.fullmatch(text) else float(text)
+    if isinstance(number, float) and not math.isfinite(number):
+        raise ConfigError(f"must be a finite number, got {number!r}", key=key)
     if tp is float and isinstance(number, int | float):
         return float(number)
     if tp is int and isinstance(number, int | float) and float(number).is_integer():

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from relayrl.config.loader import check, fill_missing, load_config
+from relayrl.config.rules import check_rules
 
 
 def _get_int(data: dict[str, Any], section: str, key: str, default: int) -> int | None:
@@ -44,8 +45,9 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "reinforce_pp": {"algo": {"adv_estimator": "return", "adv_mean": "batch", "adv_std": "batch",
                               "adv_leave_one_out": False, "loss_agg": "token_mean", "kl_mode": "reward",
                               "kl_estimator": "k1", "kl_coef": 0.001}},
-    # REINFORCE++-baseline: group-mean baseline, then divide by the batch's token std
-    "reinforce_pp_baseline": {"algo": {"adv_estimator": "return", "adv_mean": "group", "adv_std": "batch",
+    # REINFORCE++-baseline: group-mean baseline, then whitened over the batch's tokens (its paper's global
+    # normalisation: the batch mean too, which shifts the advantages once KL is in the reward)
+    "reinforce_pp_baseline": {"algo": {"adv_estimator": "return", "adv_mean": "group_batch", "adv_std": "batch",
                                        "adv_leave_one_out": False, "loss_agg": "token_mean", "kl_mode": "reward",
                                        "kl_estimator": "k1", "kl_coef": 0.001}},
     # GSPO: sequence-level ratio (geometric mean over tokens), tiny sequence clip, sequence-mean loss;
@@ -225,6 +227,8 @@ class JudgeConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     timeout: float = 10.0
     workers: int = 2
+    memory_mb: int = 4096  # address-space cap per reward worker (RLIMIT_AS; CUDA in a worker needs 0: none)
+    max_abs_reward: float | None = 1e4  # |reward| above this rejects the sample (null: only NaN/inf are rejected)
 
     def validate(self) -> None:
         check(self.timeout > 0, "timeout", "must be > 0 seconds")
@@ -265,7 +269,8 @@ class AlgoConfig:
     preset: PresetName = "grpo"  # custom: no preset, every knob as written
     # advantages: scalar reward -> (group baseline/scale) -> per-token return or GAE -> (batch whitening)
     adv_estimator: Literal["return", "gae"] = "return"  # gae: PPO with a critic (value model)
-    adv_mean: Literal["group", "batch", "none"] = "group"  # group: per sample; batch: over the batch's tokens
+    # group: per sample; batch: over the batch's tokens; group_batch: group, then batch (REINFORCE++-baseline)
+    adv_mean: Literal["group", "batch", "group_batch", "none"] = "group"
     adv_std: Literal["group", "batch", "none"] = "group"
     adv_leave_one_out: bool = False
     gamma: float = 1.0  # GAE discount over response tokens
@@ -290,14 +295,16 @@ class AlgoConfig:
     critic_path: str | None = None  # default: the policy's model
     critic_lr: float = 1e-5
     value_clip: float | None = 0.2  # None: unclipped value loss
-    # decoupled PPO (AReaL): clip around recomputed proximal logprobs, weight tokens by pi_prox / pi_behav
+    # decoupled PPO (AReaL): clip around recomputed proximal logprobs, weight tokens by pi_prox / pi_behav;
+    # defaults to true with scheduler.mode=async and max_staleness > 0 (DERIVED), where samples are off-policy
     decoupled: bool = False
     behav_weight_cap: float | None = 5.0  # None: no cap
     behav_weight_mode: Literal["clamp", "mask"] = "mask"  # tokens above the cap: weight clamped, or dropped
     behav_weight_level: Literal["token", "sequence"] = "token"  # sequence: geometric mean over the sequence
 
     def validate(self) -> None:
-        check(self.clip_low >= 0 and self.clip_high >= 0, "clip_low", "clip ranges must be >= 0")
+        check(self.clip_low >= 0, "clip_low", "clip ranges must be >= 0")
+        check(self.clip_high >= 0, "clip_high", "clip ranges must be >= 0")
         check(self.kl_coef >= 0, "kl_coef", "must be >= 0")
         check(0 <= self.gamma <= 1, "gamma", "must be in [0, 1]")
         check(0 <= self.lam <= 1, "lam", "must be in [0, 1]")
@@ -404,8 +411,8 @@ class RayConfig:
     def validate(self) -> None:
         check(self.trainer_cpus > 0 or self.trainer_gpus > 0, "trainer_cpus", "a trainer rank needs CPUs or GPUs")
         check(self.rollout_cpus > 0 or self.rollout_gpus > 0, "rollout_cpus", "a rollout bundle needs CPUs or GPUs")
-        check(min(self.trainer_cpus, self.trainer_gpus, self.rollout_cpus, self.rollout_gpus) >= 0, "trainer_cpus",
-              "resources must be >= 0")
+        for key in ("trainer_cpus", "trainer_gpus", "rollout_cpus", "rollout_gpus"):
+            check(getattr(self, key) >= 0, key, "resources must be >= 0")
         check(self.num_cpus is None or self.num_cpus >= 1, "num_cpus", "must be >= 1")
         check(self.placement_timeout > 0, "placement_timeout", "must be > 0")
 
@@ -427,8 +434,9 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
 
     def validate(self) -> None:
+        check_rules(self)  # numeric ranges no section checks itself (eval.n, train.betas, ...), async + PPO
         a = self.algo
-        if "group" in (a.adv_mean, a.adv_std):
+        if a.adv_mean in ("group", "group_batch") or a.adv_std == "group":
             check(self.data.group_size >= 2, "data.group_size",
                   f"must be >= 2 for group-relative advantages (algo.preset={a.preset}); "
                   "set algo.adv_mean/adv_std to batch or none for group_size 1")
@@ -473,11 +481,20 @@ def expand_presets(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_steps(data: dict[str, Any]) -> int | None:
-    return _get_int(data, "run", "steps", RunConfig.steps)
+    steps = _get_int(data, "run", "steps", RunConfig.steps)
+    return steps if steps is not None and steps >= 1 else None  # a bad run.steps is reported at its own key
 
 
-# defaults that depend on other keys: the LR schedule spans the run unless told otherwise
-DERIVED: dict[str, dict[str, Any]] = {"train": {"total_steps": _run_steps}}
+def _off_policy(data: dict[str, Any]) -> bool:
+    """Async with room to run ahead: trained samples may come from older policies."""
+    part = data.get("scheduler")
+    mode = part.get("mode", SchedulerConfig.mode) if isinstance(part, dict) else SchedulerConfig.mode
+    return mode == "async" and _get_int(data, "scheduler", "max_staleness", SchedulerConfig.max_staleness) != 0
+
+
+# defaults that depend on other keys: the LR schedule spans the run unless told otherwise; off-policy (async)
+# samples get decoupled PPO unless algo.decoupled is set
+DERIVED: dict[str, dict[str, Any]] = {"train": {"total_steps": _run_steps}, "algo": {"decoupled": _off_policy}}
 
 
 def _evaluate(partial: dict[str, dict[str, Any]], data: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -1,7 +1,9 @@
 """Prompt datasets: GSM8K files, any JSONL/JSON file, reasoning-gym tasks, or a user function.
 
 Every source becomes a list of rows `{"question": str, "answer": str, ...}` validated up front, so
-a malformed row is reported (file, line, missing key) before any model is loaded.
+a malformed row is reported (file, line, missing key) before any model is loaded. Every problem with a
+file (not UTF-8, invalid JSON, a row that is not an object) is an `InputError` naming the file and line,
+which the CLI prints without a traceback.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from relayrl.config.loader import decode_utf8
 from relayrl.config.schema import DatasetConfig, PromptConfig
-from relayrl.utils import import_from_path
+from relayrl.utils import InputError, import_from_path
 
 GSM8K_ENV = "RELAYRL_GSM8K_DIR"
 
@@ -39,19 +42,27 @@ def _read_file(path: Path) -> list[tuple[str, Any]]:
     """Rows of a .jsonl or .json file, each with a 'file:line' (or 'file[i]') location for errors."""
     if not path.is_file():
         raise FileNotFoundError(f"dataset file {path} does not exist")
+    try:
+        text = decode_utf8(path.read_bytes())
+    except ValueError as e:  # names the line and column
+        raise InputError(f"{path}: {e}") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
     if path.suffix == ".json":
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
         if not isinstance(data, list):
-            raise ValueError(f"{path}: expected a JSON list of objects")
+            raise InputError(f"{path}: expected a JSON list of objects, got a {type(data).__name__}")
         return [(f"{path}[{i}]", row) for i, row in enumerate(data)]
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append((f"{path}:{n}", json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: invalid JSON: {e.msg}") from None
+    for n, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 may sit inside a JSON string
+        if line.strip():
+            try:
+                rows.append((f"{path}:{n}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{n}: invalid JSON: {e.msg} (column {e.colno})") from None
     return rows
 
 
@@ -83,16 +94,16 @@ def load_rows(cfg: DatasetConfig) -> list[dict[str, Any]]:
     out = []
     for where, row in _raw_rows(cfg):
         if not isinstance(row, dict):
-            raise ValueError(f"{where}: row is a {type(row).__name__}, expected an object")
+            raise InputError(f"{where}: row is a {type(row).__name__}, expected an object")
         for key in (cfg.prompt_key, cfg.answer_key):
             if key not in row or row[key] in (None, ""):
-                raise ValueError(f"{where}: row has no {key!r} (keys: {sorted(row)}); "
+                raise InputError(f"{where}: row has no {key!r} (keys: {sorted(row)}); "
                                  f"set data.*.prompt_key / answer_key")
         out.append({**row, "question": str(row[cfg.prompt_key]), "answer": str(row[cfg.answer_key])})
         if cfg.size is not None and len(out) >= cfg.size:
             break
     if not out:
-        raise ValueError(f"dataset {cfg.source!r} has no rows")
+        raise InputError(f"dataset {cfg.source!r} has no rows")
     return out
 
 

@@ -2,17 +2,25 @@
 
 Reward functions are user code run on model output: they raise, hang in sympy, return garbage or crash
 the interpreter. None of that may stall or kill a rollout loop, so the function runs in a `TimeoutPool`
-and every failure becomes reward 0.0 with `metrics["judge_failed"] = 1.0`, a one-line `sample.error`,
-and a `failures` count the trainer can log. Cancelling `judge()` still propagates (that is the caller's
-own decision, not a failure).
+and every failure becomes a *rejected* judgement: reward 0.0 with `metrics["judge_failed"] = 1.0`, a
+`metrics["judge_rejected_<reason>"] = 1.0` naming why, a one-line `sample.error`, and a `failures` count.
+The scheduler then marks the sample `Status.REJECTED`: it is counted (`judge/rejected_<reason>`), never
+trained on. Why not train on the 0.0: a verifier that crashed on a right answer would teach the policy
+away from it, and a NaN or 1e30 would poison a whole batch's advantages. Cancelling `judge()` still
+propagates (that is the caller's own decision, not a failure).
+
+Reasons: nonfinite (NaN, inf), out_of_range (|reward| > max_abs_reward), invalid (not a number, or a dict
+without "reward"), error (the function raised), timeout, memory (the worker hit its memory cap), crashed.
 
 The reward function is named by import path ('package.module:function') because it must be importable
 in another process; a callable is accepted only if it is reachable by such a path. The path is imported
-once in the parent at construction, so a typo fails at start-up rather than as a stream of zero rewards.
+once in the parent at construction, and its keyword arguments are checked against its signature, so a
+typo fails at start-up rather than as a stream of zero rewards.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import numbers
@@ -29,20 +37,37 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_REWARD = "relayrl.judge.math:math_reward"
 _MAX_REASON = 300  # characters of sample.error: enough to diagnose, short enough to log per sample
+REJECTED_PREFIX = "judge_rejected_"  # + reason: the metric key a rejected judgement carries
+
+
+class RewardRejected(ValueError):
+    """The reward function answered, but with something that must not be trained on."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 class Judge:
     """Scores samples with `reward_fn(sample.response_text, sample.data, **reward_kwargs)`.
 
-    The function returns a number (the reward) or a dict with a numeric "reward" and optionally other
-    numeric metrics (non-numeric extras are dropped). `sample.reward` is set and `sample.metrics` gets
-    the metrics plus "reward" and "judge_failed". `calls` and `failures` count judgements.
+    The function returns a finite number with |r| <= max_abs_reward (the reward) or a dict with such a
+    "reward" and optionally other numeric metrics (non-numeric extras are dropped). `sample.reward` is set
+    and `sample.metrics` gets the metrics plus "reward" and "judge_failed". `calls` and `failures` count
+    judgements; `memory_mb` > 0 caps each worker's address space (a call over it is rejected as "memory").
     """
 
     def __init__(self, reward_fn: str | Callable[..., Any] = DEFAULT_REWARD,
-                 reward_kwargs: dict[str, Any] | None = None, timeout: float = 10.0, workers: int = 2):
+                 reward_kwargs: dict[str, Any] | None = None, timeout: float = 10.0, workers: int = 2, *,
+                 max_abs_reward: float | None = None, memory_mb: int = 0):
         self.reward_path = reward_fn_path(reward_fn)
         self.reward_kwargs = dict(reward_kwargs or {})
+        problem = reward_kwargs_problem(import_from_path(self.reward_path), self.reward_kwargs)
+        if problem is not None:
+            raise TypeError(f"reward_kwargs[{problem[0]!r}]: {problem[1]}" if problem[0] else problem[1])
+        if max_abs_reward is not None and not max_abs_reward > 0:
+            raise ValueError(f"max_abs_reward must be > 0 (or None: no bound), got {max_abs_reward}")
+        self.max_abs_reward = max_abs_reward
         try:
             pickle.dumps(self.reward_kwargs)
         except Exception as e:
@@ -52,7 +77,7 @@ class Judge:
         self.timeout = float(timeout)
         path = self.reward_path
         module = path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
-        self.pool = TimeoutPool(workers, preload=(module,), name="relayrl-judge")
+        self.pool = TimeoutPool(workers, preload=(module,), name="relayrl-judge", memory_mb=memory_mb)
         self.calls = 0
         self.failures = 0
 
@@ -69,14 +94,17 @@ class Judge:
                     uid: str = "?") -> tuple[float, dict[str, float], str | None]:
         """Score any text against a row (agents judge single turns with this): (reward, metrics, error).
 
-        metrics always holds "reward" and "judge_failed"; on failure the reward is 0.0 and error says why.
+        metrics always holds "reward" and "judge_failed"; on failure the reward is 0.0, error says why and
+        metrics also holds "judge_rejected_<reason>" (see the module docstring): the sample is not trained on.
         """
         self.calls += 1
         try:
             out = await self.pool.call(self.reward_path, (text, data), self.reward_kwargs, timeout=self.timeout)
-            reward, metrics = _reward_and_metrics(out)
+            reward, metrics = _reward_and_metrics(out, self.max_abs_reward)
         except Exception as e:  # CancelledError is a BaseException and propagates, as it should
-            return 0.0, {"reward": 0.0, "judge_failed": 1.0}, self._fail(uid, self._reason(e))
+            reason, text = self._reason(e)
+            failed = {"reward": 0.0, "judge_failed": 1.0, REJECTED_PREFIX + reason: 1.0}
+            return 0.0, failed, self._fail(uid, text)
         return reward, {**metrics, "reward": reward, "judge_failed": 0.0}, None
 
     def start(self) -> None:
@@ -85,7 +113,14 @@ class Judge:
 
     def wait_ready(self) -> None:
         """Block until the workers have imported the reward module; a broken module fails here."""
-        self.pool.wait_ready()
+        try:
+            self.pool.wait_ready()
+        except WorkerCrashed as e:
+            if self.pool.memory_mb and "MemoryError" in str(e):
+                raise WorkerCrashed(f"{e}\n(the reward module needs more than judge.memory_mb="
+                                    f"{self.pool.memory_mb} MiB of address space to load: raise it, or 0: no limit)"
+                                    ) from None
+            raise
 
     def close(self) -> None:
         self.pool.close()
@@ -108,35 +143,85 @@ class Judge:
             logger.warning("judge failure %d of %d calls (sample %s): %s", self.failures, self.calls, uid, reason)
         return reason
 
-    def _reason(self, e: Exception) -> str:
-        if isinstance(e, TimeoutError):
-            text = f"reward {self.reward_path} timed out after {self.timeout:g}s"
+    def _reason(self, e: Exception) -> tuple[str, str]:
+        """(reason code, one-line text) of a failed judgement."""
+        if isinstance(e, RewardRejected):
+            reason, text = e.reason, f"reward {self.reward_path} {e}"
+        elif isinstance(e, TimeoutError):
+            reason, text = "timeout", f"reward {self.reward_path} timed out after {self.timeout:g}s"
+        elif isinstance(e, RemoteError) and (e.exc_type == "MemoryError" or (
+                self.pool.memory_mb and "out of memory" in e.message.lower())):  # CUDA's error under the cap
+            reason = "memory"
+            text = f"reward {self.reward_path} ran out of memory (judge.memory_mb={self.pool.memory_mb})"
         elif isinstance(e, RemoteError):
-            text = f"reward {self.reward_path} raised {e.exc_type}: {e.message}"
+            reason, text = "error", f"reward {self.reward_path} raised {e.exc_type}: {e.message}"
         elif isinstance(e, WorkerCrashed):
-            text = f"reward worker crashed: {e}"
+            reason, text = "crashed", f"reward worker crashed: {e}"
         else:
-            text = f"{type(e).__name__}: {e}"
+            reason, text = "error", f"{type(e).__name__}: {e}"
         text = "judge: " + " ".join(text.split())
-        return text if len(text) <= _MAX_REASON else text[: _MAX_REASON - 3] + "..."
+        return reason, text if len(text) <= _MAX_REASON else text[: _MAX_REASON - 3] + "..."
 
 
-def _reward_and_metrics(out: Any) -> tuple[float, dict[str, float]]:
-    """Validate what the reward function returned (see `Judge`); raises ValueError if unusable."""
+def _reward_and_metrics(out: Any, bound: float | None = None) -> tuple[float, dict[str, float]]:
+    """Validate what the reward function returned (see `Judge`); raises RewardRejected if unusable."""
     if isinstance(out, dict):
         if "reward" not in out:
-            raise ValueError(f"reward_fn returned a dict without 'reward' (keys: {sorted(map(str, out))})")
+            raise RewardRejected("invalid", f"returned a dict without 'reward' (keys: {sorted(map(str, out))})")
         reward = out["reward"]
-        metrics = {str(k): float(v) for k, v in out.items() if k != "reward" and _is_number(v)}
+        metrics = {str(k): float(v) for k, v in out.items()
+                   if k != "reward" and _is_number(v) and math.isfinite(float(v))}
     else:
         reward, metrics = out, {}
-    if not _is_number(reward) or not math.isfinite(float(reward)):
-        raise ValueError(f"reward_fn returned a non-number reward: {reward!r:.80}")
+    reason = reward_problem(reward, bound)
+    if reason is not None:
+        raise RewardRejected(reason, f"returned a {reason.replace('_', '-')} reward: {reward!r:.80}")
     return float(reward), metrics
+
+
+def reward_problem(reward: Any, bound: float | None = None) -> str | None:
+    """Why `reward` must not be trained on ("invalid", "nonfinite", "out_of_range"), or None if it is fine.
+
+    Used on the judge's answers and again on every finished sample, whoever set its rewards (an agent or an
+    episode function may set them without the judge).
+    """
+    if not _is_number(reward):
+        return "invalid"
+    if not math.isfinite(float(reward)):
+        return "nonfinite"
+    if bound is not None and abs(float(reward)) > bound:
+        return "out_of_range"
+    return None
 
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, numbers.Real)
+
+
+def reward_kwargs_problem(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str, str] | None:
+    """(name, why) for the first keyword argument `fn(response, data, **kwargs)` would not accept, or for a
+    required argument kwargs leaves out (name "" when fn cannot take (response, data) at all); None if the
+    call fits. Unknown names pass when fn takes **kwargs. Checked in the parent at start-up: the same
+    mistake in a worker would cost every sample of the run."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins without a signature: nothing to check against
+        return None
+    label = getattr(fn, "__qualname__", repr(fn))
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        return "", f"reward function {label} must take (response, data) as its first two arguments"
+    taken = {p.name for p in positional[:2]}  # response and data are passed by position
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - taken
+    for name in kwargs if not any(p.kind is p.VAR_KEYWORD for p in params) else ():
+        if name not in named:
+            hint = f"its keyword arguments are {', '.join(sorted(named))}" if named else "it takes no keyword arguments"
+            return name, f"unknown argument for reward function {label}; {hint}"
+    for p in params:
+        if p.name not in taken and p.name not in kwargs and p.default is p.empty and p.kind not in (
+                p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            return p.name, f"reward function {label} requires argument {p.name!r}: set it in judge.kwargs"
+    return None
 
 
 def reward_fn_path(fn: str | Callable[..., Any]) -> str:

@@ -8,6 +8,13 @@ that worker and starts a replacement, and every other worker carries on.
 Why 'spawn' (or 'forkserver'), never 'fork': the parent holds torch/CUDA threads, and a forked child
 inherits their locks in whatever state they were in.
 
+With `memory_mb`, each worker caps its own address space (RLIMIT_AS) once its modules are loaded, so a
+reward function that blows up (sympy expanding 10^10^10) fails with MemoryError in its own process instead
+of the machine's OOM killer picking a victim, perhaps the trainer. A call that ends in MemoryError costs
+that call; its worker is then replaced, since a process that ran out of memory mid-call may hold
+half-built state. A cap that leaves less than 64 MiB above what the loaded worker already maps fails the
+worker's start-up (every call would fail otherwise).
+
 Workers start lazily (or all at once with `start()`), import `preload` modules, then report ready;
 `timeout` counts only the call itself, never interpreter start-up or those imports. The function to run
 is pickled by reference (or given as 'module:name'), so its module is imported in the worker on first
@@ -25,6 +32,7 @@ import importlib
 import multiprocessing as mp
 import os
 import pickle
+import resource
 import signal
 import threading
 import traceback
@@ -51,13 +59,14 @@ class WorkerCrashed(RuntimeError):
 
 
 # ---- the child side ---------------------------------------------------------------------------------
-def _worker_main(conn: Any, preload: tuple[str, ...]) -> None:
+def _worker_main(conn: Any, preload: tuple[str, ...], memory_mb: int = 0) -> None:
     """Child process loop: report ready, then answer one pickled call at a time until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_when_orphaned()
     try:
         for module in preload:
             importlib.import_module(module)
+        _limit_memory(memory_mb)
         conn.send_bytes(pickle.dumps(("ok", None)))
     except BaseException as e:
         conn.send_bytes(_error_reply(e))
@@ -69,6 +78,34 @@ def _worker_main(conn: Any, preload: tuple[str, ...]) -> None:
         except (EOFError, OSError):
             return
         conn.send_bytes(_execute(payload, resolved))
+
+
+def _limit_memory(memory_mb: int) -> None:
+    """Cap this process's address space; allocations beyond it raise MemoryError (0: no limit).
+
+    RLIMIT_AS rather than RLIMIT_DATA: it also covers mmap, which large numpy/sympy allocations use. Set after
+    the imports (spawn's bootstrap has imported most of them anyway), refused if it leaves no room for calls.
+    """
+    if memory_mb > 0:
+        used = _mapped_mb()
+        if used is not None and used + _HEADROOM_MB > memory_mb:
+            raise MemoryError(f"the loaded worker already maps {used} MiB of address space: a cap of {memory_mb} "
+                              f"MiB leaves less than {_HEADROOM_MB} MiB for the calls")
+        limit = memory_mb * 2**20
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+
+
+_HEADROOM_MB = 64
+
+
+def _mapped_mb() -> int | None:
+    """This process's address space (VmSize) in MiB, or None where /proc is not there."""
+    try:
+        pages = int(open("/proc/self/statm").read().split()[0])  # noqa: SIM115 - one read of a proc file
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") // 2**20
 
 
 def _execute(payload: bytes, resolved: dict[str, Any]) -> bytes:
@@ -113,9 +150,9 @@ def _exit_when_orphaned() -> None:
 class _Worker:
     """One child process and the parent's end of its pipe."""
 
-    def __init__(self, ctx: Any, preload: tuple[str, ...], name: str):
+    def __init__(self, ctx: Any, preload: tuple[str, ...], name: str, memory_mb: int = 0):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child, preload), name=name, daemon=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, preload, memory_mb), name=name, daemon=True)
         self.proc.start()
         child.close()  # else our copy keeps the pipe open and a dead worker never reads as EOF
         self.ready = False
@@ -180,12 +217,17 @@ class TimeoutPool:
 
     Use from coroutines of one event loop at a time (a later `asyncio.run` may use it again once the
     earlier loop's calls are over). `close()` (also on exit, or via `with`) kills every worker.
+    `memory_mb` > 0 caps each worker's address space (see the module docstring).
     """
 
     def __init__(self, workers: int = 2, *, preload: tuple[str, ...] | list[str] = (),
-                 context: str = "spawn", start_timeout: float = 120.0, name: str = "relayrl-pool"):
+                 context: str = "spawn", start_timeout: float = 120.0, name: str = "relayrl-pool",
+                 memory_mb: int = 0):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        if memory_mb < 0:
+            raise ValueError(f"memory_mb must be >= 0 (0: no limit), got {memory_mb}")
+        self.memory_mb = memory_mb
         if context not in ("spawn", "forkserver"):
             raise ValueError(f"context {context!r}: use 'spawn' or 'forkserver' (fork is unsafe with torch)")
         self._ctx = mp.get_context(context)
@@ -285,7 +327,7 @@ class TimeoutPool:
             raise RuntimeError(f"{self.name} is closed")
 
     def _spawn(self, slot: int) -> _Worker:
-        return _Worker(self._ctx, self.preload, f"{self.name}-{slot}")
+        return _Worker(self._ctx, self.preload, f"{self.name}-{slot}", self.memory_mb)
 
     async def _acquire(self) -> int:
         if self._idle:
@@ -338,17 +380,18 @@ class TimeoutPool:
 
     async def _dispatch(self, slot: int, w: _Worker, payload: bytes, timeout: float | None,
                         label: str) -> tuple:
-        """Send one call and wait for its reply; anything but a reply leaves the worker unusable."""
-        answered = False
+        """Send one call and wait for its reply; anything but a reply leaves the worker unusable, and so
+        does a MemoryError reply (the worker may hold half-built state): both get a fresh worker."""
+        reusable = False
         try:
             w.send(payload)
             reply = await w.receive(timeout)
-            answered = True
+            reusable = reply[0] == "ok" or reply[1] != "MemoryError"
             return reply
         except TimeoutError:
             raise TimeoutError(f"{label} did not finish within {timeout:g}s; its worker was killed") from None
         except WorkerCrashed as e:
             raise WorkerCrashed(f"{e} while running {label}") from None
         finally:
-            if not answered:
+            if not reusable:
                 self._discard(slot, respawn=True)

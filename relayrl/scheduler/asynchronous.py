@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import Counter
 
 from relayrl.agents.base import Agent
 from relayrl.data.manager import DataManager
 from relayrl.sample import Sample, Status
-from relayrl.scheduler.common import GroupFilter, keep_all, run_group
+from relayrl.scheduler.common import GroupFilter, keep_all, rejection_counts, rejection_metrics, run_group
 
 
 class StalenessManager:
@@ -109,6 +110,8 @@ class AsyncScheduler:
             data_mgr.replay_buffer.fail(e)
             raise
         self.stats["failed"] += sum(s.status == Status.FAILED for s in samples)
+        for why, n in rejection_counts(samples).items():  # in stats, so a checkpoint keeps the totals
+            self.stats[f"rejected_{why}"] = self.stats.get(f"rejected_{why}", 0) + n
         ok = self.group_filter(samples)
         self.stats["filtered"] += int(not ok)
         self.manager.on_finish(ok)
@@ -132,8 +135,10 @@ class AsyncScheduler:
 
         batch, metrics = take_fresh(lambda n: data_mgr.replay_buffer.take(n, timeout), self.batch_size, version,
                                     self.max_staleness, expire)
+        rejected = Counter({k[len("rejected_"):]: v for k, v in self.stats.items() if k.startswith("rejected_")})
         return batch, metrics | {"rollout/failed_total": float(self.stats["failed"]),
-                                 "rollout/groups_filtered_total": float(self.stats["filtered"])}
+                                 "rollout/groups_filtered_total": float(self.stats["filtered"]),
+                                 **rejection_metrics(rejected, "_total")}
 
 
 def take_fresh(take, batch_size: int, version: int, max_staleness: int, expire) -> tuple[list[Sample], dict]:

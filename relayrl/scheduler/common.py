@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import traceback
+from collections import Counter
 from collections.abc import Callable
 
 from relayrl.agents.base import Agent
+from relayrl.judge import REJECTED_PREFIX, reward_problem
 from relayrl.sample import Sample, Status
 from relayrl.utils import import_from_path
 
@@ -20,7 +22,9 @@ async def run_agent(agent: Agent, sample: Sample, timeout: float | None) -> list
     """
     try:
         out = await asyncio.wait_for(agent.generate_sample(sample), timeout)
-        return out if isinstance(out, list) else [out]
+        out = out if isinstance(out, list) else [out]
+        reject_untrustworthy(out, getattr(agent.judge, "max_abs_reward", None))
+        return out
     except asyncio.CancelledError:
         raise
     except TimeoutError:
@@ -29,6 +33,39 @@ async def run_agent(agent: Agent, sample: Sample, timeout: float | None) -> list
         sample.error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
     sample.status = Status.FAILED
     return [sample]
+
+
+def rejection_reason(sample: Sample, bound: float | None) -> str | None:
+    """Why a finished sample has no reward to train on: its judge rejected a judgement (any turn's), or a
+    reward it carries (the sample's, a turn's) is not a finite number within `bound`. None: it is fine."""
+    for key, value in sample.metrics.items():
+        if key.startswith(REJECTED_PREFIX) and value:
+            return key[len(REJECTED_PREFIX):]
+    rewards = [sample.reward] + [r for t in sample.turns for r in (t.reward, t.step_reward)]
+    return next((why for r in rewards if r is not None and (why := reward_problem(r, bound))), None)
+
+
+def reject_untrustworthy(samples: list[Sample], bound: float | None) -> None:
+    """Mark completed samples without a trustworthy reward REJECTED (never trained on, counted). Done here,
+    after the agent, because agents set COMPLETED themselves and some set rewards without the judge."""
+    for s in samples:
+        why = rejection_reason(s, bound) if s.status == Status.COMPLETED else None
+        if why is not None:
+            s.status = Status.REJECTED
+            s.metrics[REJECTED_PREFIX + why] = 1.0
+            s.error = s.error or f"rejected: {why} reward {s.reward!r:.80}"
+
+
+def rejection_counts(samples: list[Sample]) -> Counter[str]:
+    """Rejected samples by reason (the metric suffix: nonfinite, out_of_range, invalid, timeout, ...)."""
+    return Counter(next((k[len(REJECTED_PREFIX):] for k, v in s.metrics.items() if k.startswith(REJECTED_PREFIX)
+                         and v), "invalid") for s in samples if s.status == Status.REJECTED)
+
+
+def rejection_metrics(counts: Counter[str], suffix: str = "") -> dict[str, float]:
+    """judge/rejected (always, so a clean run shows 0) and judge/rejected_<reason> for each reason seen."""
+    out = {f"judge/rejected{suffix}": float(sum(counts.values()))}
+    return out | {f"judge/rejected_{why}{suffix}": float(n) for why, n in sorted(counts.items())}
 
 
 async def run_group(group: list[Sample], agent: Agent, timeout: float | None) -> list[Sample]:

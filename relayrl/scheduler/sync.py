@@ -16,7 +16,7 @@ import time
 from relayrl.agents.base import Agent
 from relayrl.data.manager import DataManager
 from relayrl.sample import Status
-from relayrl.scheduler.common import GroupFilter, keep_all, run_group
+from relayrl.scheduler.common import GroupFilter, keep_all, rejection_counts, rejection_metrics, run_group
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +32,13 @@ class SyncScheduler:
         budget = max(batch_size, math.ceil(batch_size * self.max_attempts_factor))
         launched = min(budget, math.ceil(batch_size * (1 + self.over_sample)))
         pending = {self._start(data_mgr, agent) for _ in range(launched)}
-        accepted, failed, filtered = [], 0, 0
+        accepted, failed, filtered, rejected = [], 0, 0, rejection_counts([])
         while pending and len(accepted) < batch_size:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 group = task.result()
                 failed += sum(s.status == Status.FAILED for s in group)
+                rejected += rejection_counts(group)
                 if self.group_filter(group):
                     accepted.append(group)
                     continue
@@ -55,7 +56,7 @@ class SyncScheduler:
             data_mgr.add_to_replay_buffer(group)
         return {"rollout/failed": float(failed), "rollout/groups_filtered": float(filtered),
                 "rollout/groups_dropped": float(len(pending) + max(0, len(accepted) - batch_size)),
-                "time/rollout_s": time.perf_counter() - t0}
+                "time/rollout_s": time.perf_counter() - t0, **rejection_metrics(rejected)}
 
     def _start(self, data_mgr: DataManager, agent: Agent) -> asyncio.Task:
         return asyncio.ensure_future(run_group(data_mgr.sample_from_dataset(), agent, self.agent_timeout))

@@ -40,15 +40,18 @@ def compute_advantages(rewards: torch.Tensor, group_ids: list[str], *, mean: str
     leave_one_out: with mean="group", the baseline of sample i is the mean of the *other* samples
         of its group (RLOO): A_i = r_i - (sum_g - r_i) / (n - 1) = n / (n - 1) * (r_i - mean_g).
     std: "group" | "batch" | "none" -- the scale divided by (std + eps).
+
+    A group of one sample has no baseline but itself: its advantage is 0 under mean="group" (with or
+    without leave-one-out), never an error, since a rejected or failed sample can leave any group with one
+    survivor (the TrainController drops such groups before this; this is the last line of defence).
     """
     r = rewards.float()
     groups = group_index(group_ids)
     count, g_mean, g_std = _group_stats(r, groups, unbiased_std)
     if mean == "group":
         if leave_one_out:
-            if bool((count < 2).any()):
-                raise ValueError("leave-one-out baseline needs at least 2 samples per group")
-            adv = (r - (g_mean * count - r) / (count - 1))
+            others = (g_mean * count - r) / (count - 1).clamp(min=1)
+            adv = torch.where(count >= 2, r - others, torch.zeros_like(r))
         else:
             adv = r - g_mean
     elif mean == "batch":
@@ -113,6 +116,23 @@ def gae(rewards: list[torch.Tensor], values: list[torch.Tensor], gamma: float,
     deltas = [r + gamma * torch.cat([v[1:], v.new_zeros(1)]) - v for r, v in zip(rewards, values)]
     adv = discounted_cumsum(deltas, gamma * lam)
     return adv, [a + v for a, v in zip(adv, values)]
+
+
+def turn_end_rewards(loss_mask: list[int], turns: list[tuple[int, int]], rewards: list[float]) -> torch.Tensor:
+    """Per trained token: each turn's reward on the turn's last generated token, 0 elsewhere (GAE's input).
+
+    turns are (start, end) response slices. A turn with no tokens adds its reward to the last trained token
+    before it (the first one if there is none), so no reward is lost.
+    """
+    out = torch.zeros(sum(loss_mask))
+    if out.numel() == 0:
+        return out
+    trained_before = [0]
+    for m in loss_mask:
+        trained_before.append(trained_before[-1] + m)
+    for (_, end), r in zip(turns, rewards):
+        out[max(0, trained_before[end] - 1)] += r
+    return out
 
 
 def whiten(x: torch.Tensor, *, mean: bool, std: bool, eps: float = 1e-6) -> torch.Tensor:

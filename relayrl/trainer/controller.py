@@ -28,6 +28,7 @@ from relayrl.trainer.algo import (
     reduce_stats,
     shape_rewards,
     token_weights,
+    turn_end_rewards,
     value_loss,
     whiten,
 )
@@ -58,19 +59,37 @@ class TrainController:
     # ---- high-level API ---------------------------------------------------------------------
     def fit(self, samples: list[Sample]) -> dict[str, float]:
         t0 = time.perf_counter()
-        samples = [s for s in samples if s.num_trained_tokens > 0]
+        samples, dropped = self.drop_small_groups([s for s in samples if s.num_trained_tokens > 0])
         if not samples:  # e.g. a group filter dropped every group: skip the update, keep the run going
             logger.warning("step skipped: the batch has no trainable tokens (every group filtered or empty)")
-            return {"train/skipped": 1.0, "time/train_s": time.perf_counter() - t0}
+            return {"train/skipped": 1.0, "time/train_s": time.perf_counter() - t0, **dropped}
         batch = self.packer.pack(samples)
         batch = self.compute_old_logprobs(batch)
         batch = self.compute_ref_logprobs(batch)
         batch = self.compute_values(batch)
         batch = self.compute_advantages(batch)
-        metrics = self.train(batch)
+        metrics = self.train(batch) | dropped
         metrics["time/train_s"] = time.perf_counter() - t0
         metrics["perf/train_tokens_per_s"] = sum(len(s.input_ids) for s in samples) / metrics["time/train_s"]
         return metrics
+
+    def uses_groups(self) -> bool:
+        """Whether advantages compare a sample with its group (GRPO, RLOO, ...): then a group needs 2 samples."""
+        return self.algo.adv_mean in ("group", "group_batch") or self.algo.adv_std == "group"
+
+    def drop_small_groups(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
+        """Leave out groups with fewer than 2 samples when advantages are group-relative: a lone sample has no
+        baseline but itself (RLOO's leave-one-out mean does not exist). Rejected or failed samples can leave
+        any group with one survivor; that must cost the group, counted, never the run."""
+        if not self.uses_groups():
+            return samples, {}
+        sizes: dict[str, int] = {}
+        for s in samples:
+            sizes[s.group_id] = sizes.get(s.group_id, 0) + 1
+        small = {g for g, n in sizes.items() if n < 2}
+        kept = [s for s in samples if s.group_id not in small]
+        return kept, {"train/groups_dropped_small": float(len(small)),
+                      "train/samples_dropped_small": float(len(samples) - len(kept))}
 
     # ---- low-level API ----------------------------------------------------------------------
     def needs_old_logprobs(self) -> bool:
@@ -101,23 +120,26 @@ class TrainController:
         """Per-token advantages: shaped scalar rewards -> group baseline/scale -> per-token return or GAE
         (minus the KL to the reference when it is in the reward) -> batch whitening over tokens.
 
-        Scalar rewards are sample rewards, or turn returns when an agent set `Turn.reward` (then every
-        (sample, turn) is one entry of the group statistics and each turn's tokens get that turn's value;
-        a one-turn sample reduces to plain GRPO). GAE uses sample rewards only, on the last trained token.
+        Scalar rewards are sample rewards, or per-turn rewards when an agent set them on every turn: then every
+        (sample, turn) is one entry of the group statistics. The return estimator uses turn returns
+        (`Turn.reward`), each turn's tokens getting that turn's value (a one-turn sample reduces to plain
+        GRPO). GAE uses each turn's own reward (`Turn.step_reward`) on that turn's last generated token, and
+        discounts with algo.gamma itself; otherwise the sample reward on its last trained token.
         """
         a = self.algo
         self._step_stats = {}
         batch.per_token["behav_logp"] = [torch.tensor([lp for lp, m in zip(s.logprobs, s.loss_mask) if m])
                                          for s in batch.samples]
-        outcome = self._outcome(batch, per_turn=a.adv_estimator == "return")
+        gae_mode = a.adv_estimator == "gae"
+        outcome = self._outcome(batch, "step_reward" if gae_mode else "reward")
         kl = self._reward_kl(batch)
-        if a.adv_estimator == "gae":
+        if gae_mode:
             adv = self._gae(batch, outcome, kl)
-        elif kl is not None:  # REINFORCE++: the return of token t also carries the KL penalty still to come
-            adv = [o - a.kl_coef * k for o, k in zip(outcome, discounted_cumsum(kl, 1.0))]
         else:
-            adv = outcome
-        flat = whiten(torch.cat(adv), mean=a.adv_mean == "batch", std=a.adv_std == "batch")
+            adv = [_token_values(s, v) for s, v in zip(batch.samples, outcome)]
+        if kl is not None and not gae_mode:  # REINFORCE++: token t's return also carries the KL still to come
+            adv = [o - a.kl_coef * k for o, k in zip(adv, discounted_cumsum(kl, 1.0))]
+        flat = whiten(torch.cat(adv), mean=a.adv_mean in ("batch", "group_batch"), std=a.adv_std == "batch")
         batch.per_token["advantages"] = list(flat.split(batch.lengths))
         if a.decoupled:
             w, capped = behav_weights(batch.flat("old_logp"), batch.flat("behav_logp"), batch.lengths,
@@ -200,13 +222,14 @@ class TrainController:
     def _kl_in_reward(self) -> bool:
         return self.algo.kl_mode == "reward" and self.algo.kl_coef > 0 and self.ref_engine is not None
 
-    def _outcome(self, batch: TrainBatch, per_turn: bool) -> list[torch.Tensor]:
-        """Per trained token: the sample's (or its turn's) shaped reward after the group baseline/scale."""
+    def _outcome(self, batch: TrainBatch, turn_key: str) -> list[dict[int | None, float]]:
+        """Per sample: its shaped reward after the group baseline/scale (key None), or each turn's (key = turn
+        index) when every turn has a `turn_key` value ("reward": the turn return, "step_reward": its own)."""
         a = self.algo
         entries = []  # (sample index, turn index or None, reward, generated tokens)
         for i, s in enumerate(batch.samples):
-            if per_turn and s.turns and all(t.reward is not None for t in s.turns):
-                entries += [(i, j, float(t.reward), t.end - t.start) for j, t in enumerate(s.turns)]
+            if s.turns and all(getattr(t, turn_key) is not None for t in s.turns):
+                entries += [(i, j, float(getattr(t, turn_key)), t.end - t.start) for j, t in enumerate(s.turns)]
             else:
                 longest = max((t.end - t.start for t in s.turns), default=s.num_trained_tokens)
                 entries.append((i, None, float(s.reward or 0.0), longest))
@@ -215,7 +238,7 @@ class TrainController:
         rewards = shape_rewards(torch.tensor([e[2] for e in entries]) + penalty, scale=a.reward_scale,
                                 bias=a.reward_bias, clip=a.reward_clip)
         adv = compute_advantages(rewards, [batch.samples[e[0]].group_id for e in entries],
-                                 mean="group" if a.adv_mean == "group" else "none",
+                                 mean="group" if a.adv_mean in ("group", "group_batch") else "none",
                                  std="group" if a.adv_std == "group" else "none", leave_one_out=a.adv_leave_one_out)
         if a.overlong_buffer:
             self._step_stats |= {"train/overlong_frac": float((penalty < 0).float().mean()),
@@ -224,7 +247,7 @@ class TrainController:
         per_sample: list[dict] = [{} for _ in batch.samples]
         for (i, j, _, _), v in zip(entries, adv.tolist()):
             per_sample[i][j] = v
-        return [_token_values(s, v) for s, v in zip(batch.samples, per_sample)]
+        return per_sample
 
     def _reward_kl(self, batch: TrainBatch) -> list[torch.Tensor] | None:
         """Per-token KL(pi_old || pi_ref) estimates for the reward (None when KL is not in the reward)."""
@@ -235,15 +258,19 @@ class TrainController:
         self._step_stats["train/kl_reward_mean"] = float(torch.cat(kl).mean())
         return kl
 
-    def _gae(self, batch: TrainBatch, outcome: list[torch.Tensor], kl: list[torch.Tensor] | None) -> list:
-        """GAE with the sample's reward on its last trained token, minus kl_coef * KL on every token."""
+    def _gae(self, batch: TrainBatch, outcome: list[dict[int | None, float]], kl: list[torch.Tensor] | None) -> list:
+        """GAE with the sample's reward on its last trained token, or each turn's reward on the turn's last
+        generated token (per-turn rewards), minus kl_coef * KL on every token."""
         a = self.algo
         if "values" not in batch.per_token:
             raise ValueError("algo.adv_estimator=gae needs critic values: run compute_values first")
         rewards = []
-        for i, o in enumerate(outcome):
-            r = torch.zeros(len(o))
-            r[-1] = o[-1]
+        for i, (s, o) in enumerate(zip(batch.samples, outcome)):
+            if None in o:
+                r = torch.zeros(s.num_trained_tokens)
+                r[-1] = o[None]
+            else:
+                r = turn_end_rewards(s.loss_mask, [(t.start, t.end) for t in s.turns], [o[j] for j in range(len(o))])
             rewards.append(r - a.kl_coef * kl[i] if kl is not None else r)
         adv, returns = gae(rewards, batch.per_token["values"], a.gamma, a.lam)
         batch.per_token["returns"] = returns
