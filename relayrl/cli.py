@@ -12,7 +12,8 @@ from relayrl.utils import InputError
 
 
 def _train(args: argparse.Namespace) -> int:
-    from relayrl.config import describe, to_dict
+    from relayrl.config import to_dict
+    from relayrl.config.docs import describe
     from relayrl.config.schema import Config, load_run_config
 
     if args.help_config:
@@ -159,7 +160,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="YAML config file (see examples/)")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-6 run.steps=10")
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    t.add_argument("--help-config", action="store_true", help="list every config key with its default")
+    t.add_argument("--help-config", action="store_true", help="list every config key: type, default and meaning")
     t.set_defaults(fn=_train)
     e = sub.add_parser("eval", help="evaluate a base model or a run's saved model on the config's eval set")
     e.add_argument("--config", required=True, help="YAML config (its data.eval, agent, judge, eval.* are used)")

@@ -13,7 +13,6 @@ from relayrl.config import (
     ConfigError,
     apply_overrides,
     check,
-    describe,
     dump_yaml,
     fill_missing,
     from_dict,
@@ -353,15 +352,17 @@ def test_duplicate_yaml_key_is_an_error_but_merge_keys_work(tmp_path):
 
 
 def test_describe_lists_every_dotted_key_with_type_and_default():
+    from relayrl.config.docs import describe
+
     text = describe(Config)
     lines = text.splitlines()
-    assert "model: str (required)  # HF id or local path" in lines
-    assert "train: TrainConfig" in lines
+    assert lines[:2] == ["model: str (required)", "    HF id or local path"]
+    assert "train:" in lines
     assert "train.algo: Literal['grpo', 'ppo'] = 'grpo'" in lines
     assert "train.lr: float = 1e-06" in lines
     assert "train.max_steps: int | None = None" in lines
     assert "train.optim.betas: tuple[float, ...] = (0.9, 0.999)" in lines
     assert "train.loss_weights: dict[str, float] = {}" in lines
-    assert "eval: EvalConfig | None = None" in lines
+    assert "eval: EvalConfig | None = None" in lines  # an optional section shows its None default
     assert "eval.datasets: list[str] (required)" in lines
     assert "generation: dict[str, Any] = {}" in lines

@@ -377,20 +377,3 @@ def dump_yaml(obj: Any, path: str) -> None:
     truncated config beside a checkpoint, since resuming reads it back."""
     text = yaml.safe_dump(to_dict(obj), sort_keys=False, allow_unicode=True)  # fails before touching disk
     atomic_write_text(path, text)
-
-
-def describe(cls: type, prefix: str = "") -> str:
-    """One line per dotted key, ``key: type = default  # help`` (help from ``field(metadata={"help": ..})``),
-    for ``relayrl train --help-config``; nested dataclasses are listed under their own line."""
-    lines = []
-    for name, (f, tp) in _schema(cls).items():
-        key = _join(prefix, name)
-        nested = [a for a in (tp, *get_args(tp)) if isinstance(a, type) and dataclasses.is_dataclass(a)]
-        default = f.default if f.default is not _MISSING else None if _required(f) else f.default_factory()
-        shown = "" if dataclasses.is_dataclass(default) else f" = {default!r}"
-        shown = " (required)" if _required(f) else shown
-        help_text = f.metadata.get("help")
-        lines.append(f"{key}: {_type_name(tp)}{shown}" + (f"  # {help_text}" if help_text else ""))
-        if nested and (sub := describe(nested[0], key)):
-            lines.append(sub)
-    return "\n".join(lines)

@@ -74,15 +74,17 @@ PresetName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_ba
 @dataclass
 class ModelConfig:
     path: str = "smollm2"  # a local HF folder, or an alias prepared on first use (smollm2)
+    # the trainer's weights (and AdamW state): fp32 is the safe default
     train_dtype: Literal["float32", "bfloat16"] = "float32"
     # bf16 autocast for trainer forward/backward (fp32 master weights); auto: on when the engine runs bf16
     # (engine.dtype auto picks bf16 only where it is native), so trainer and engine logprobs match closely
     autocast_bf16: bool | Literal["auto"] = "auto"
+    # recompute each layer in backward: activations of one layer, ~30% more compute
     gradient_checkpointing: bool = False
     # LoRA (peft): train low-rank adapters only; only they travel to the engines (relayrl/trainer/lora.py)
     lora_rank: int = 0  # 0: off (full-parameter training)
     lora_alpha: float = 16.0  # the adapter's scaling is lora_alpha / lora_rank
-    lora_dropout: float = 0.0
+    lora_dropout: float = 0.0  # dropout on the adapters' input while training
     # linear layers to adapt, by name or name suffix (checked against the model when it loads)
     lora_target_modules: list[str] = field(default_factory=lambda: [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
@@ -110,7 +112,7 @@ class EngineConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_batch_size: int = 64  # sequences decoded together
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
-    num_engines: int = 1
+    num_engines: int = 1  # local engines in this process, or servers to launch (engine.launch)
     max_tokens_in_flight: int | None = None  # admit requests while sum(prompt + max_new_tokens) fits
     prefix_cache_size: int = 64  # finished trajectories whose KV is kept for their next turn
     kv_on_update: Literal["recompute", "keep"] = "recompute"  # KV of running sequences after a weight update
@@ -128,7 +130,7 @@ class EngineConfig:
     addresses: list[str] = field(default_factory=list)  # e.g. ["http://10.0.0.5:30000"]
     launch: Literal["none", "relayrl", "vllm"] = "none"  # start the servers as subprocesses, stop them at exit
     vllm_python: str = ".venv-vllm/bin/python"  # launch=vllm: the interpreter of vLLM's own virtualenv
-    api_key: str | None = None
+    api_key: str | None = None  # sent as a bearer token to the servers, and required by launched ones
     weights_dir: str | None = None  # where new weights are written for the servers (default RUN_DIR/weights)
     request_timeout: float = 600.0  # seconds per generation request
     retries: int = 3  # per request, with exponential backoff, before EngineUnavailable
@@ -173,11 +175,11 @@ class EngineConfig:
 
 @dataclass
 class SamplingConfig:
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_token_ids: list[int] = field(default_factory=list)
+    max_new_tokens: int = 128  # tokens generated per engine call (per turn for multi-turn agents)
+    temperature: float = 1.0  # sampling temperature; trainer logprobs use the same one; 0: greedy
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this much probability (1: off)
+    top_k: int = 0  # sample among the k most likely tokens (0: off)
+    stop_token_ids: list[int] = field(default_factory=list)  # extra tokens that end a generation (eos always does)
 
     def validate(self) -> None:
         check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
@@ -192,8 +194,8 @@ class DatasetConfig:
     size: int | None = None  # rows to use (reasoning_gym: rows to generate)
     seed: int = 0  # reasoning_gym generation seed
     kwargs: dict[str, Any] = field(default_factory=dict)  # reasoning_gym / function arguments
-    prompt_key: str = "question"
-    answer_key: str = "answer"
+    prompt_key: str = "question"  # the row field holding the prompt text
+    answer_key: str = "answer"  # the row field holding the reference answer (passed to the reward)
 
     def validate(self) -> None:
         check(bool(self.source), "source", "is required (e.g. gsm8k:train, reasoning_gym:basic_arithmetic)")
@@ -202,19 +204,19 @@ class DatasetConfig:
 
 @dataclass
 class PromptConfig:
-    system: str | None = None
-    suffix: str = "\nPut your final answer within \\boxed{}."
-    chat_template: bool = True
+    system: str | None = None  # a system message put before every prompt
+    suffix: str = "\nPut your final answer within \\boxed{}."  # appended to every prompt
+    chat_template: bool = True  # wrap prompts in the tokenizer's chat template (false: raw text)
 
 
 @dataclass
 class DataConfig:
-    train: DatasetConfig = field(default_factory=DatasetConfig)
-    eval: DatasetConfig | None = None
-    prompt: PromptConfig = field(default_factory=PromptConfig)
+    train: DatasetConfig = field(default_factory=DatasetConfig)  # the training prompts
+    eval: DatasetConfig | None = None  # held-out prompts for evaluation (None: no evaluation)
+    prompt: PromptConfig = field(default_factory=PromptConfig)  # how a row becomes the prompt the model sees
     batch_size: int = 8  # prompts per training step
     group_size: int = 8  # samples per prompt
-    shuffle: bool = True
+    shuffle: bool = True  # shuffle the training prompts each epoch (seeded by run.seed)
 
     def validate(self) -> None:
         check(self.batch_size >= 1, "batch_size", "must be >= 1")
@@ -223,10 +225,10 @@ class DataConfig:
 
 @dataclass
 class JudgeConfig:
-    reward_fn: str = "relayrl.judge.math:math_reward"
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    timeout: float = 10.0
-    workers: int = 2
+    reward_fn: str = "relayrl.judge.math:math_reward"  # module:function scoring (response text, row) -> reward
+    kwargs: dict[str, Any] = field(default_factory=dict)  # reward_fn keyword arguments (checked at start)
+    timeout: float = 10.0  # seconds per reward call; a call past it costs that sample only
+    workers: int = 2  # reward worker processes
     memory_mb: int = 4096  # address-space cap per reward worker (RLIMIT_AS; CUDA in a worker needs 0: none)
     max_abs_reward: float | None = 1e4  # |reward| above this rejects the sample (null: only NaN/inf are rejected)
 
@@ -239,7 +241,7 @@ class JudgeConfig:
 class AgentConfig:
     kind: str = "single_turn"  # a built-in name or "package.module:AgentClass"
     timeout: float | None = 600.0  # seconds per trajectory; a hung agent costs that sample only
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments for the agent class
 
 
 @dataclass
@@ -271,29 +273,29 @@ class AlgoConfig:
     adv_estimator: Literal["return", "gae"] = "return"  # gae: PPO with a critic (value model)
     # group: per sample; batch: over the batch's tokens; group_batch: group, then batch (REINFORCE++-baseline)
     adv_mean: Literal["group", "batch", "group_batch", "none"] = "group"
-    adv_std: Literal["group", "batch", "none"] = "group"
-    adv_leave_one_out: bool = False
+    adv_std: Literal["group", "batch", "none"] = "group"  # divide advantages by the std of the group/batch
+    adv_leave_one_out: bool = False  # RLOO: baseline = mean of the group's other samples
     gamma: float = 1.0  # GAE discount over response tokens
     lam: float = 0.95  # GAE lambda
     # reward shaping, in this order: + overlong penalty, * reward_scale, + reward_bias, clip to +-reward_clip
     reward_scale: float = 1.0
-    reward_bias: float = 0.0
-    reward_clip: float | None = None
+    reward_bias: float = 0.0  # added to every reward after scaling
+    reward_clip: float | None = None  # clip rewards to +-this (None: no clip)
     overlong_buffer: int = 0  # DAPO: linear penalty over the last N tokens before max_new_tokens (0: off)
     overlong_penalty: float = 1.0  # the penalty at max_new_tokens
     overlong_filter: bool = False  # DAPO: truncated samples (finish reason "length") get no loss at all
     # policy loss
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's geometric-mean sequence ratio
-    clip_low: float = 0.2
-    clip_high: float = 0.2
+    clip_low: float = 0.2  # PPO clip: the ratio may fall to 1 - clip_low
+    clip_high: float = 0.2  # PPO clip: the ratio may rise to 1 + clip_high (DAPO: clip-higher)
     kl_coef: float = 0.0  # > 0 loads a frozen reference model
     kl_mode: Literal["loss", "reward"] = "loss"  # KL to the reference as a loss term, or per token in the reward
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    entropy_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # Schulman's estimators of KL(pi || ref)
+    entropy_coef: float = 0.0  # entropy bonus weight in the loss (0: off)
     # critic (adv_estimator: gae)
     critic_path: str | None = None  # default: the policy's model
-    critic_lr: float = 1e-5
+    critic_lr: float = 1e-5  # the critic's AdamW learning rate
     value_clip: float | None = 0.2  # None: unclipped value loss
     # decoupled PPO (AReaL): clip around recomputed proximal logprobs, weight tokens by pi_prox / pi_behav;
     # defaults to true with scheduler.mode=async and max_staleness > 0 (DERIVED), where samples are off-policy
@@ -320,10 +322,10 @@ class AlgoConfig:
 
 @dataclass
 class TrainConfig:
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    lr: float = 1e-6  # the policy's AdamW learning rate (peak, after warm-up)
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    grad_clip: float = 1.0  # clip the global gradient norm to this (<= 0: measure only)
     micro_batch_tokens: int = 4096  # padded tokens per forward/backward
     share_prompt: bool = True  # a GRPO group's samples share one copy of their prompt in a row
     row_tokens: int = 1024  # longest shared row (attention cost grows with its square)
@@ -332,7 +334,7 @@ class TrainConfig:
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # over training steps (fit calls)
     warmup_steps: int = 0  # linear warmup from lr / warmup_steps
     total_steps: int | None = None  # where linear/cosine reach min_lr_ratio * lr; filled from run.steps
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = 0.0  # cosine/linear schedules end at lr * min_lr_ratio
     # local: one process (TrainEngine); fsdp: FSDP2 across torchrun processes (relayrl.trainer.fsdp.FSDPEngine)
     engine: Literal["local", "fsdp"] = "local"
     world_size: int = 1  # fsdp: trainer processes; `relayrl train` starts them with torchrun unless run under it
@@ -360,18 +362,18 @@ class EvalConfig:
     every: int = 0  # steps between evaluations (0: only at start and end)
     size: int = 64  # held-out prompts
     n: int = 1  # samples per prompt (pass@k, maj@k need n >= k)
-    temperature: float = 0.0
-    at_start: bool = True
-    at_end: bool = True
+    temperature: float = 0.0  # eval sampling temperature (0: greedy)
+    at_start: bool = True  # evaluate before the first step
+    at_end: bool = True  # evaluate after the last step
 
 
 @dataclass
 class RunConfig:
-    name: str = "run"
-    steps: int = 20
-    seed: int = 0
+    name: str = "run"  # the run folder is run.output_dir/name (name-2, ... if taken)
+    steps: int = 20  # training steps (optimizer updates per step: train.epochs x train.minibatches)
+    seed: int = 0  # seeds sampling, shuffling and initialisation: a run repeats exactly
     output_dir: str = "runs"  # the run writes to output_dir/name
-    tensorboard: bool = True
+    tensorboard: bool = True  # also write TensorBoard events (metrics.jsonl is always written)
     threads: int | None = None  # torch intra-op threads (default: all cores)
     print_samples: int = 1  # responses shown per step in the console
     log_trajectories: bool = True  # RUN_DIR/trajectories/<version>/{samples.txt,monitor.jsonl}
@@ -400,9 +402,9 @@ class RayConfig:
     num_cpus: int | None = None  # the local cluster's CPUs (default: all of this machine's)
     num_gpus: int | None = None  # the local cluster's GPUs (default: all)
     trainer_cpus: float = 1.0  # per trainer rank
-    trainer_gpus: float = 0.0
+    trainer_gpus: float = 0.0  # per trainer rank
     rollout_cpus: float = 1.0  # per launched server, and for the producer
-    rollout_gpus: float = 0.0
+    rollout_gpus: float = 0.0  # per launched server, and for the producer
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # how bundles spread over nodes
     server_host: str = "127.0.0.1"  # launched servers bind here; "node": the IP of the node they run on
     placement_timeout: float = 120.0  # seconds the cluster may take to find room for every bundle
@@ -420,18 +422,18 @@ class RayConfig:
 @dataclass
 class Config:
     launcher: Literal["local", "ray"] = "local"  # ray: every process of the run is a Ray actor (see RayConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    judge: JudgeConfig = field(default_factory=JudgeConfig)
-    agent: AgentConfig = field(default_factory=AgentConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    ray: RayConfig = field(default_factory=RayConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # the policy: where it comes from, trainer precision, LoRA
+    engine: EngineConfig = field(default_factory=EngineConfig)  # inference engines: in-process or HTTP servers
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how responses are sampled in training rollouts
+    data: DataConfig = field(default_factory=DataConfig)  # prompts: datasets, prompt building, batch and group size
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # the reward function and its worker processes
+    agent: AgentConfig = field(default_factory=AgentConfig)  # what makes a trajectory: single-turn, reflection, tools, yours
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # sync or async, staleness, placement, group filters
+    algo: AlgoConfig = field(default_factory=AlgoConfig)  # advantages, loss, KL, critic: presets set these
+    train: TrainConfig = field(default_factory=TrainConfig)  # optimizer, micro-batches, epochs, data-parallel trainer
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation during the run
+    run: RunConfig = field(default_factory=RunConfig)  # the run folder, steps, seeds, logs, checkpoints
+    ray: RayConfig = field(default_factory=RayConfig)  # launcher=ray: where the run's processes go
 
     def validate(self) -> None:
         check_rules(self)  # numeric ranges no section checks itself (eval.n, train.betas, ...), async + PPO
