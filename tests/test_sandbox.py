@@ -22,6 +22,7 @@ def test_prints_and_exit_code():
     assert r.ok and r.stdout == "42\n" and r.text() == "42" and r.network == "bwrap"
     r = run("import sys; print('partial'); sys.exit(3)")
     assert r.exit_code == 3 and not r.ok
+    assert run("print('caf\udce9')").stdout == "caf?\n"  # a lone surrogate from JSON is not a crash
     r = run("raise ValueError('bad input')")
     assert r.exit_code == 1 and r.text() == "ValueError: bad input" and 'File "main.py", line 1' in r.stderr
 

@@ -109,7 +109,7 @@ async def _run_bwrap(code: str, timeout: float, limits: dict, out: IO[bytes], er
     box = bwrap.ready()
     program = seccomp.program()
     with contextlib.ExitStack() as stack:
-        code_fd = _owned(stack, bwrap.memfd(code.encode(), "main.py"))
+        code_fd = _owned(stack, bwrap.memfd(code.encode(errors="replace"), "main.py"))
         sc_fd = _owned(stack, bwrap.memfd(program, "seccomp")) if program else None
         info_r, info_w = os.pipe()
         _owned(stack, info_r)
@@ -127,7 +127,7 @@ async def _run_plain(code: str, timeout: float, limits: dict, out: IO[bytes], er
     """sandbox=none: the same prelude and rlimits in a temporary directory, no namespaces (no process cap: the
     host-wide RLIMIT_NPROC would count every process of this user)."""
     with tempfile.TemporaryDirectory(prefix="relayrl-unsandboxed-") as work:
-        Path(work, "main.py").write_text(code)
+        Path(work, "main.py").write_bytes(code.encode(errors="replace"))
         lim = [limits["memory_mb"] * 1024 * 1024, limits["cpu_s"], limits["file_mb"] * 1024 * 1024, 0, 64, 0]
         proc = await asyncio.create_subprocess_exec(
             os.path.realpath(sys.executable), "-I", "-S", "-c", PRELUDE, *map(str, lim), cwd=work,
