@@ -2,7 +2,7 @@
 
 The model calls a tool by writing `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes /
 Qwen format, which templates with tool support also describe in their system prompt). The agent runs
-each call -- the built-in `python` tool in a sandboxed subprocess, `calculator` in-process -- appends the
+each call -- the built-in `python` tool in a bwrap sandbox, `calculator` in-process -- appends the
 results as `tool` messages (token ids of the template text, nothing re-encoded), and lets the model go on
 until it answers without a tool call or `max_turns` is reached. A malformed call gets an error message
 back as its tool result, never an exception. The judge scores the final answer.

@@ -1,85 +1,42 @@
-"""Run untrusted Python (model-written tool code) in a contained subprocess.
+"""Run untrusted Python (model-written tool code) behind an OS boundary: bubblewrap namespaces.
 
-Containment, in layers:
-- its own process group in a fresh temporary working directory, killed as a group on timeout;
-- resource limits: address space (memory), CPU seconds, file size, open files;
-- no network: a new network namespace when the OS allows it (only loopback, down), and always a Python
-  audit hook that refuses sockets;
-- no writes outside the working directory, no new processes, no ctypes: refused by the same audit hook;
-- a minimal environment (`python -I`, no inherited variables), stdin closed, output truncated.
+Model-written code is treated as hostile. Each call runs in a fresh bwrap sandbox (relayrl/tools/bwrap.py;
+threat model, flags and the escape attempts tried in docs/security.md):
+- its own user, pid, network, ipc, uts and cgroup namespaces: it sees only its own processes, has no network
+  (a private loopback), and cannot create further user namespaces;
+- a read-only root holding only the system libraries and the Python installation, a fresh /proc of its pid
+  namespace, a minimal /dev, size-capped tmpfs mounts for /scratch (its working directory), /tmp and /dev/shm;
+- an empty environment (PATH, HOME=/scratch, TMPDIR, LANG), stdin closed, a new session (no terminal);
+- rlimits set inside before the code runs: address space, CPU seconds, file size, processes, open files;
+- a seccomp deny-list of rarely needed, often exploited syscalls (relayrl/tools/seccomp.py);
+- a wall-clock kill of the sandbox's pid 1, which takes every process of the sandbox with it.
 
-The audit hook is installed before the code runs and cannot be removed from Python. It is not a
-security boundary against a determined attacker with native code (that needs a container or seccomp),
-but it contains the mistakes and accidents model-written code makes, which is what a rollout needs.
+`sandbox="none"` runs the same code as a plain subprocess with the same rlimits (no namespaces): only for
+machines where no boundary can start, only when the user writes it, and warned about at start-up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Literal
 
-_PRELUDE = r'''
-import os, sys
+from relayrl.tools import bwrap, seccomp
+from relayrl.tools.bwrap import PRELUDE, SandboxUnavailable
 
-def _contain(memory_mb, cpu_s, file_mb):
-    """Limits first, then a private network namespace (needs ctypes, which the hook forbids later)."""
-    import ctypes, resource
-    mem = memory_mb * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (file_mb * 1024 * 1024,) * 2)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    try:
-        return ctypes.CDLL(None, use_errno=True).unshare(0x40000000) == 0  # CLONE_NEWNET
-    except Exception:
-        return False
-
-_contain(*map(int, sys.argv[1:4]))
-_ROOT = os.path.realpath(os.getcwd())
-_BLOCKED = {"socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.gethostbyname",
-            "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.fork", "os.forkpty", "os.spawn",
-            "ctypes.dlopen", "ctypes.cdata", "os.kill", "os.killpg", "pty.spawn", "resource.setrlimit",
-            "resource.prlimit", "os.setuid", "os.setgid", "sys.addaudithook"}
-_PATH_EVENTS = {"os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.chmod", "os.chown", "os.link", "os.symlink",
-                "os.truncate", "shutil.rmtree", "shutil.move", "os.utime"}
-
-def _inside(path):
-    try:
-        p = os.path.realpath(os.fsdecode(path) if not isinstance(path, int) else "")
-    except Exception:
-        return False
-    return p == _ROOT or p.startswith(_ROOT + os.sep)
-
-def _hook(event, args):
-    if event in _BLOCKED:
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "open":
-        path, mode, flags = args
-        writing = (mode and any(c in mode for c in "wax+")) or (flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
-        if writing and not isinstance(path, int) and not _inside(path):
-            raise PermissionError(f"sandbox: writing {path!r} outside the working directory is not allowed")
-    elif event in _PATH_EVENTS:
-        for a in args[:2]:
-            if isinstance(a, (str, bytes, os.PathLike)) and not _inside(a):
-                raise PermissionError(f"sandbox: {event} on {a!r} outside the working directory is not allowed")
-
-sys.addaudithook(_hook)
-del _hook
-__file__ = "main.py"
-with open("main.py") as _f:
-    _code = compile(_f.read(), "main.py", "exec")
-del _f
-exec(_code, {"__name__": "__main__", "__file__": "main.py"})
-'''
+__all__ = ["MODES", "SandboxMode", "SandboxResult", "SandboxUnavailable", "check_sandbox", "run_python"]
+SandboxMode = Literal["auto", "bwrap", "none"]
+MODES = ("auto", "bwrap", "none")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,7 +47,7 @@ class SandboxResult:
     timed_out: bool
     duration_s: float
     truncated: bool
-    network: str  # "netns" (own network namespace) or "audit-hook" (Python-level refusal only)
+    network: str  # "bwrap" (own network namespace: no network) or "none" (unsandboxed: the host's network)
 
     @property
     def ok(self) -> bool:
@@ -108,54 +65,108 @@ class SandboxResult:
         return "\n".join(parts) or "[no output]"
 
 
-def _netns_allowed() -> bool:
-    """Whether this machine lets a process take a private network namespace (root or user namespaces)."""
-    global _NETNS
-    if _NETNS is None:
-        probe = "import ctypes, sys; sys.exit(ctypes.CDLL(None, use_errno=True).unshare(0x40000000) != 0)"
-        _NETNS = subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True).returncode == 0
-    return _NETNS
+def check_sandbox(mode: str) -> None:
+    """Start-up check for a tool that will run code: raises SandboxUnavailable where `auto`/`bwrap` cannot start
+    a sandbox (probing once per process), and warns loudly for `none`.
 
-
-_NETNS: bool | None = None
+    `auto` picks the best boundary this machine has; bwrap is the only one today, so it behaves as `bwrap`.
+    """
+    if mode not in MODES:
+        raise ValueError(f"sandbox must be one of {MODES}, got {mode!r}")
+    if mode == "none":
+        msg = ("UNSANDBOXED: sandbox=none runs model-written Python as a plain subprocess of this process; it can "
+               "read and write your files, reach the network and the trainer's environment. Use it only with "
+               "trusted models on a disposable machine.")
+        logger.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        return
+    bwrap.ready()
 
 
 async def run_python(code: str, *, timeout: float = 5.0, memory_mb: int = 512, max_output: int = 4096,
-                     file_mb: int = 16) -> SandboxResult:
-    """Run `code` as a script in a fresh temp directory under the limits above; never raises for its sake."""
-    network = "netns" if _netns_allowed() else "audit-hook"
-    with tempfile.TemporaryDirectory(prefix="relayrl-sandbox-") as work:
-        root = Path(work)
-        (root / "main.py").write_text(code)
-        (root / "_prelude.py").write_text(_PRELUDE)
+                     file_mb: int = 16, max_procs: int = 16, sandbox: SandboxMode = "auto") -> SandboxResult:
+    """Run `code` as main.py in a fresh sandbox; never raises for the code's sake (a machine with no sandbox
+    raises SandboxUnavailable). `file_mb` caps each file and each writable mount (scratch, /tmp, /dev/shm);
+    `max_procs` caps processes and threads inside the sandbox."""
+    if sandbox not in MODES:
+        raise ValueError(f"sandbox must be one of {MODES}, got {sandbox!r}")
+    limits = {"memory_mb": memory_mb, "cpu_s": int(timeout) + 1, "file_mb": file_mb}
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        with open(root / ".stdout", "wb") as out, open(root / ".stderr", "wb") as err:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-S", "_prelude.py", str(memory_mb), str(int(timeout) + 1), str(file_mb),
-                cwd=work, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
-                env={"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "PYTHONHASHSEED": "0"})
-        timed_out = False
-        try:
-            await asyncio.wait_for(proc.wait(), timeout)
-        except TimeoutError:
-            timed_out = True
-        finally:
-            if proc.returncode is None:
-                _kill_group(proc.pid)
-                await proc.wait()
+        if sandbox == "none":
+            exit_code = await _run_plain(code, timeout, limits, out, err)
+        else:
+            exit_code = await _run_bwrap(code, timeout, dict(limits, nproc=max_procs), out, err)
         duration = time.perf_counter() - t0
-        stdout, t1 = _read(root / ".stdout", max_output)
-        stderr, t2 = _read(root / ".stderr", max_output)
-    return SandboxResult(stdout, stderr, None if timed_out else proc.returncode, timed_out, duration, t1 or t2,
-                         network)
+        stdout, t1 = _read(out, max_output)
+        stderr, t2 = _read(err, max_output)
+    network = "none" if sandbox == "none" else "bwrap"
+    return SandboxResult(stdout, stderr, exit_code, exit_code is None, duration, t1 or t2, network)
 
 
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
+async def _run_bwrap(code: str, timeout: float, limits: dict, out: IO[bytes], err: IO[bytes]) -> int | None:
+    """One bwrap sandbox; the exit code, or None when it was killed at the timeout."""
+    box = bwrap.ready()
+    program = seccomp.program()
+    with contextlib.ExitStack() as stack:
+        code_fd = _owned(stack, bwrap.memfd(code.encode(errors="replace"), "main.py"))
+        sc_fd = _owned(stack, bwrap.memfd(program, "seccomp")) if program else None
+        info_r, info_w = os.pipe()
+        _owned(stack, info_r)
+        argv = bwrap.sandbox_argv(box, **limits, code_fd=code_fd, seccomp_fd=sc_fd, info_fd=info_w)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err, env={}, start_new_session=True,
+                pass_fds=tuple(fd for fd in (code_fd, sc_fd, info_w) if fd is not None), **box.popen_kwargs())
+        finally:
+            os.close(info_w)
+        return await _wait(proc, timeout, lambda: bwrap.child_pid(info_r))
 
 
-def _read(path: Path, limit: int) -> tuple[str, bool]:
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
+async def _run_plain(code: str, timeout: float, limits: dict, out: IO[bytes], err: IO[bytes]) -> int | None:
+    """sandbox=none: the same prelude and rlimits in a temporary directory, no namespaces (no process cap: the
+    host-wide RLIMIT_NPROC would count every process of this user)."""
+    with tempfile.TemporaryDirectory(prefix="relayrl-unsandboxed-") as work:
+        Path(work, "main.py").write_bytes(code.encode(errors="replace"))
+        lim = [limits["memory_mb"] * 1024 * 1024, limits["cpu_s"], limits["file_mb"] * 1024 * 1024, 0, 64, 0]
+        proc = await asyncio.create_subprocess_exec(
+            os.path.realpath(sys.executable), "-I", "-S", "-c", PRELUDE, *map(str, lim), cwd=work,
+            stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+            env={"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"})
+        return await _wait(proc, timeout, lambda: None)
+
+
+async def _wait(proc: asyncio.subprocess.Process, timeout: float, pid1) -> int | None:
+    """Wait up to `timeout`; then kill the sandbox's pid 1 (its pid namespace dies with it, and bwrap returns
+    only once every process in it is gone) and bwrap's process group."""
+    try:
+        return await asyncio.wait_for(proc.wait(), timeout)
+    except TimeoutError:
+        pass
+    finally:
+        if proc.returncode is None:
+            init = pid1()
+            if init is not None:
+                _kill(os.kill, init)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(proc.wait()), 2.0)
+            if proc.returncode is None:  # bwrap still there (or no pid 1 known): its group, pid 1 follows
+                _kill(os.killpg, proc.pid)  # by --die-with-parent
+            await proc.wait()
+    return None
+
+
+def _kill(fn, pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        fn(pid, signal.SIGKILL)
+
+
+def _owned(stack: contextlib.ExitStack, fd: int) -> int:
+    stack.callback(os.close, fd)
+    return fd
+
+
+def _read(f: IO[bytes], limit: int) -> tuple[str, bool]:
+    f.seek(0)
+    data = f.read(limit + 1)
     return data[:limit].decode(errors="replace"), len(data) > limit
