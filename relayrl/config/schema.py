@@ -427,8 +427,8 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how responses are sampled in training rollouts
     data: DataConfig = field(default_factory=DataConfig)  # prompts: datasets, prompt building, batch and group size
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # the reward function and its worker processes
-    agent: AgentConfig = field(default_factory=AgentConfig)  # what makes a trajectory: single-turn, reflection, tools, yours
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # sync or async, staleness, placement, group filters
+    agent: AgentConfig = field(default_factory=AgentConfig)  # what makes a trajectory (single-turn, reflection, tools)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # sync or async, staleness, placement, filters
     algo: AlgoConfig = field(default_factory=AlgoConfig)  # advantages, loss, KL, critic: presets set these
     train: TrainConfig = field(default_factory=TrainConfig)  # optimizer, micro-batches, epochs, data-parallel trainer
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation during the run
