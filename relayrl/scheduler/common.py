@@ -10,7 +10,7 @@ from collections.abc import Callable
 from relayrl.agents.base import Agent
 from relayrl.judge import REJECTED_PREFIX, reward_problem
 from relayrl.sample import Sample, Status
-from relayrl.utils import import_from_path
+from relayrl.utils import InputError, import_from_path
 
 GroupFilter = Callable[[list[Sample]], bool]
 
@@ -23,16 +23,36 @@ async def run_agent(agent: Agent, sample: Sample, timeout: float | None) -> list
     try:
         out = await asyncio.wait_for(agent.generate_sample(sample), timeout)
         out = out if isinstance(out, list) else [out]
-        reject_untrustworthy(out, getattr(agent.judge, "max_abs_reward", None))
-        return out
     except asyncio.CancelledError:
         raise
     except TimeoutError:
         sample.error = f"agent timed out after {timeout} s"
     except Exception as e:
         sample.error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+    else:
+        check_agent_output(agent, out)
+        reject_untrustworthy(out, getattr(agent.judge, "max_abs_reward", None))
+        return out
     sample.status = Status.FAILED
     return [sample]
+
+
+class AgentContractError(InputError):
+    """An agent broke its contract (a programming error, the same for every sample): the run stops and says so."""
+
+
+_FINAL = (Status.COMPLETED, Status.FAILED, Status.REJECTED, Status.ABORTED)
+
+
+def check_agent_output(agent: Agent, out: list) -> None:
+    """Every returned object is a Sample in a final status: one left at INIT would be dropped silently, every step."""
+    name = f"{type(agent).__module__}.{type(agent).__qualname__}.generate_sample"
+    for s in out:
+        if not isinstance(s, Sample):
+            raise AgentContractError(f"{name} returned {type(s).__name__}, not a Sample (or a list of them)")
+        if s.status not in _FINAL:
+            raise AgentContractError(f"{name} returned a sample with status {s.status.value!r}: set sample.status "
+                                     "to Status.COMPLETED (trainable) or Status.FAILED before returning it")
 
 
 def rejection_reason(sample: Sample, bound: float | None) -> str | None:
