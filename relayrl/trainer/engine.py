@@ -34,7 +34,7 @@ class TrainEngine:
         self.model.eval()
         self._trainable = bool(params)
         if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.temperature = temperature if temperature > 0 else 1.0
         self.grad_clip = grad_clip
         self.autocast_bf16 = autocast_bf16
