@@ -50,6 +50,14 @@ def write_json(path: str | os.PathLike, obj: dict) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
+def synchronize(device) -> None:
+    """Wait for the device's queued work, so a GPU timing covers the kernels and not only their launch."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def load_before_run() -> float:
     """The 1-minute load average now, with a warning when another process is using the CPU (the run's
     timings would not be representative); benches record it in their result."""

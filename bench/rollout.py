@@ -13,6 +13,9 @@ included in none). Each side runs in its own subprocess, so the torch thread poo
 
     .venv/bin/python bench/rollout.py             # SmolLM2-135M-Instruct, 32 prompts x 8, 256 tokens
     .venv/bin/python bench/rollout.py --quick     # smoke run on the tiny model (local and hf)
+    .venv/bin/python bench/rollout.py --device cuda --sides local,hf --out bench/results/gpu_rollout.json
+
+--device (default cpu) places the local and hf sides' models; the vllm side is the CPU server whatever it says.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sides", default=",".join(SIDES))
     p.add_argument("--rounds", type=int, default=1, help="each side runs once per round, sides alternating")
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--device", default="cpu", help="local and hf sides: cpu, cuda, cuda:N or auto")
     p.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     p.add_argument("--out", default="bench/results/rollout.json")
     p.add_argument("--quick", action="store_true", help="tiny model, 4 prompts x 4, 32 tokens, local and hf")
@@ -74,7 +78,7 @@ def prompts(a) -> tuple[list[list[int]], list[int], str]:
 def run_local(a, ids, eos, path) -> dict:  # noqa: ARG001 - same signature as the other sides
     from relayrl.engine import LocalEngine, SamplingParams
 
-    engine = LocalEngine.from_pretrained(path, dtype="bfloat16", max_batch_size=256)
+    engine = LocalEngine.from_pretrained(path, dtype="bfloat16", max_batch_size=256, device=a.device)
     futures = []
     t0 = time.perf_counter()
     for i, p in enumerate(ids):
@@ -92,15 +96,16 @@ def run_hf(a, ids, eos, path) -> dict:
 
     from relayrl.models import load_model
 
-    model = load_model(path, dtype="bfloat16")
+    model = load_model(path, dtype="bfloat16", device=a.device)
+    device = next(model.parameters()).device
     pad = eos[0]
     tokens = sequences = 0
     t0 = time.perf_counter()
     for k in range(0, len(ids), a.hf_prompts):
         chunk = ids[k:k + a.hf_prompts]
         width = max(map(len, chunk))
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
         with torch.inference_mode():
             out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=1.0,
                                  top_p=1.0, top_k=0, max_new_tokens=a.max_new_tokens, num_return_sequences=a.group,
@@ -164,7 +169,8 @@ def main() -> None:
     ratios = {f"local_vs_{s}": medians["local"] / medians[s] for s in medians if s != "local" and "local" in medians}
     result = _common.result_header("rollout") | {
         "workload": {"model": a.model, "prompts": a.prompts, "group": a.group, "max_new_tokens": a.max_new_tokens,
-                     "temperature": 1.0, "threads": a.threads, "hf_prompts_per_call": a.hf_prompts},
+                     "temperature": 1.0, "threads": a.threads, "hf_prompts_per_call": a.hf_prompts,
+                     "device": a.device},
         "runs": runs, "tokens_per_s_median": medians, "ratios": ratios}
     if not a.quick:
         _common.write_json(_common.REPO / a.out, result)

@@ -16,6 +16,7 @@ every variant trains the same weights at every step (losses must agree) while do
 
     .venv/bin/python bench/train_step.py            # full run: SmolLM2-135M, 8 prompts x 8, bf16 autocast
     .venv/bin/python bench/train_step.py --quick    # smoke run on the tiny random model (seconds)
+    .venv/bin/python bench/train_step.py --device cuda --out bench/results/gpu_train_step.json
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--autocast-bf16", action=argparse.BooleanOptionalAction, default=True,
                    help="bf16 autocast in forward/backward (fp32 weights), as the example configs train")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
+    p.add_argument("--device", default="cpu", help="where the model trains: cpu, cuda, cuda:N or auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="result file (default bench/results/train_step.json; --quick: a temp file)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 4x4, short responses, 1 step")
@@ -122,6 +124,7 @@ def train_once(a, ctl, variant: str, samples: list, pad_id: int) -> dict:
     for stage in (ctl.compute_old_logprobs, ctl.compute_ref_logprobs, ctl.compute_values, ctl.compute_advantages):
         batch = stage(batch)
     m = ctl.train(batch)
+    _common.synchronize(ctl.engine.device)  # a GPU step ends when its kernels do
     dt = time.perf_counter() - t0
     mbs = batch.micro_batches
     return {"step_s": dt, "tokens": sum(len(s.input_ids) for s in samples), "loss": m["train/loss"],
@@ -140,7 +143,8 @@ def run(a, model_path: str) -> dict[str, list[dict]]:
     torch.manual_seed(a.seed)
     torch.set_num_threads(a.threads)
     tok = load_tokenizer(model_path)
-    engine = TrainEngine.from_pretrained(model_path, dtype="float32", lr=1e-12, autocast_bf16=a.autocast_bf16)
+    engine = TrainEngine.from_pretrained(model_path, dtype="float32", lr=1e-12, autocast_bf16=a.autocast_bf16,
+                                         device=a.device)
     ctl = TrainController(engine, AlgoConfig(), TrainConfig(lr=1e-12, micro_batch_tokens=a.micro_batch_tokens),
                           pad_id=tok.pad_token_id, max_new_tokens=a.max_new_tokens)
     steps: dict[str, list[dict]] = {v: [] for v in VARIANTS}
@@ -185,7 +189,8 @@ def main() -> None:
                                                 "max": a.max_new_tokens},
                            "sequence_tokens_per_step": lengths, "micro_batch_tokens": a.micro_batch_tokens,
                            "padded_rows": a.padded_rows, "autocast_bf16": a.autocast_bf16, "train_dtype": "float32",
-                           "warmup_steps": 1, "measured_steps": a.steps, "threads": a.threads, "seed": a.seed},
+                           "warmup_steps": 1, "measured_steps": a.steps, "threads": a.threads, "seed": a.seed,
+                           "device": a.device},
               "checks": {"loadavg_1min_at_start": load,
                          # lr 1e-12: all variants train the same weights, so their losses agree up to numerics
                          "loss_max_abs_diff": max(max(col) - min(col) for col in zip(*losses))}}

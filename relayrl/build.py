@@ -23,6 +23,7 @@ from relayrl.agents import AGENTS, Agent
 from relayrl.config import ConfigError, dump_yaml
 from relayrl.config.schema import Config
 from relayrl.data import DataManager, PromptBuilder, load_rows
+from relayrl.device import resolve_device
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.engine.remote import RemoteEngine
@@ -239,13 +240,14 @@ def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) 
 def resolve_precision(cfg: Config, quiet: bool = False) -> Config:
     """engine.dtype "auto" -> what this machine runs natively (relayrl.hardware); model.autocast_bf16 "auto" ->
     the engine's precision (bf16 autocast when the engine runs bf16), so trainer and engine logprobs agree as
-    closely as they can. The choice and its reason are printed once; config.yaml records the resolved values."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype, why = resolve_dtype(cfg.engine.dtype, device)
+    closely as they can, on the run's device (run.device). The choice and its reason are printed once; config.yaml
+    records the resolved dtypes (run.device stays as set: "auto" resolves again where the run resumes)."""
+    device = resolve_device(cfg.run.device)
+    dtype, why = resolve_dtype(cfg.engine.dtype, device.type)
     autocast = dtype == "bfloat16" if cfg.model.autocast_bf16 == "auto" else bool(cfg.model.autocast_bf16)
-    if not quiet and "auto" in (cfg.engine.dtype, cfg.model.autocast_bf16):
+    if not quiet and "auto" in (cfg.engine.dtype, cfg.model.autocast_bf16, cfg.run.device):
         print(f"precision: engine {dtype}, trainer {cfg.model.train_dtype}{' + bf16 autocast' if autocast else ''} "
-              f"({why})")
+              f"on {device} ({why})")
     return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, dtype=dtype),
                                model=dataclasses.replace(cfg.model, autocast_bf16=autocast))
 
@@ -418,8 +420,8 @@ def shares_weights(cfg: Config) -> bool:
 
 def make_engines(cfg: Config, model_path: str, eos: list[int], run_dir: Path, launched: list[str],
                  shared_model: torch.nn.Module | None = None) -> list[LocalEngine | RemoteEngine]:
-    """LocalEngines in this process (on `shared_model`, the trainer's, when given), or one RemoteEngine per
-    server address (checked healthy up front)."""
+    """LocalEngines in this process on run.device (on `shared_model`, the trainer's, when given), or one
+    RemoteEngine per server address (checked healthy up front)."""
     e = cfg.engine
     if e.kind == "local":
         kw = dict(eos_token_ids=eos, max_batch_size=e.max_batch_size, max_seq_len=e.max_seq_len,
@@ -427,7 +429,8 @@ def make_engines(cfg: Config, model_path: str, eos: list[int], run_dir: Path, la
                   kv_on_update=e.kv_on_update, attention=e.attention)
         if shared_model is not None:
             return [LocalEngine(shared_model, seed=cfg.run.seed, owns_weights=False, **kw)]
-        return [LocalEngine(load_model(model_path, dtype=e.dtype), seed=cfg.run.seed + i, **kw)
+        device = resolve_device(cfg.run.device)
+        return [LocalEngine(load_model(model_path, dtype=e.dtype, device=device), seed=cfg.run.seed + i, **kw)
                 for i in range(e.num_engines)]
     engines = RemoteEngine.for_servers(e.addresses or launched, backend=e.backend, api_key=e.api_key,
                                        timeout=e.request_timeout, retries=e.retries,
@@ -456,6 +459,8 @@ def make_scheduler(cfg: Config, rollout_ctl: RolloutController) -> SyncScheduler
 
 
 def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainController:
+    """The policy's engine on run.device (FSDP: each rank's device, from its process group), the KL reference
+    beside it on the same device."""
     t = cfg.train
     engine_kw = dict(temperature=cfg.sampling.temperature, autocast_bf16=cfg.model.autocast_bf16)
     optim_kw = dict(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
@@ -467,14 +472,15 @@ def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainControl
                                                   mixed_precision=t.fsdp_mixed_precision, **optim_kw, **engine_kw)
     else:
         train_engine = TrainEngine.from_pretrained(model_path, dtype=cfg.model.train_dtype, lora=cfg.model,
-                                                   **optim_kw, **engine_kw)
+                                                   device=resolve_device(cfg.run.device), **optim_kw, **engine_kw)
     ref_engine = None
     if cfg.algo.kl_coef > 0 and cfg.model.lora_rank:  # the policy with its adapters off: no second copy
         from relayrl.trainer.lora import BaseReference
 
         ref_engine = BaseReference(train_engine)
     elif cfg.algo.kl_coef > 0:
-        ref_model = load_model(model_path, dtype=cfg.model.train_dtype).requires_grad_(False)
+        ref_model = load_model(model_path, dtype=cfg.model.train_dtype,
+                               device=train_engine.device).requires_grad_(False)
         if t.engine == "fsdp":  # a whole copy per rank, each rank computing its share of the batch
             from relayrl.trainer.fsdp import ReplicatedEngine
 

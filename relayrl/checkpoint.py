@@ -399,7 +399,8 @@ def restore(c: Components, ckpt: Path) -> int:
     else:
         if not is_lora(c.train_ctl.engine.model):  # LoRA: the base is model.path's; trainer.pt has the adapters
             load_weights(c.train_ctl.engine.model, ckpt / "model")
-        c.train_ctl.load_state_dict(torch.load(ckpt / "trainer.pt", weights_only=True))
+        # on the CPU first: load_state_dict copies into the trainer's own device (a GPU run's checkpoint loads anywhere)
+        c.train_ctl.load_state_dict(torch.load(ckpt / "trainer.pt", weights_only=True, map_location="cpu"))
     c.relay_weights()
     data = torch.load(ckpt / "data.pt", weights_only=True)
     c.data.load_state_dict(data["data"])

@@ -106,10 +106,11 @@ def _train_data_parallel(cfg: Config) -> dict[str, float]:
     """train.engine=fsdp, one process per rank (torchrun): rank 0 runs the loop above with a LeaderController,
     the other ranks follow its trainer calls (relayrl/trainer/leader.py)."""
     from relayrl.build import build_follower
+    from relayrl.device import resolve_device
     from relayrl.trainer.fsdp import init_distributed, shutdown_distributed
     from relayrl.trainer.leader import follow, lead, stop_followers
 
-    rank, _ = init_distributed()
+    rank, _ = init_distributed("gloo" if resolve_device(cfg.run.device).type == "cpu" else None)  # run.device=cpu
     if rank:  # an error ends this process without the final barrier, which rank 0 may never reach (it may fail
         follow(build_follower(cfg))  # in the same command); torchrun then stops the other ranks
         shutdown_distributed()

@@ -35,6 +35,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from relayrl.device import resolve_device
+
 MARKER = ".relayrl_complete"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -236,17 +238,25 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     return tok
 
 
-def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32") -> PreTrainedModel:
-    """Load a causal LM offline in eval mode (transformers 5 always loads on meta first: low memory)."""
+def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
+               device: str | torch.device | None = None) -> PreTrainedModel:
+    """Load a causal LM offline in eval mode (transformers 5 always loads on meta first: low memory).
+
+    `device` (relayrl.device.resolve_device: auto, cpu, cuda, cuda:N; None = cpu): where the weights go. They
+    are read on the CPU and moved once, the same path for every device (no accelerate device map and its hooks).
+    """
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
         dtype = _DTYPES[dtype]
     from transformers.utils import logging as hf_logging
 
+    target = resolve_device(device or "cpu")  # an unusable device fails before the weights are read
     hf_logging.disable_progress_bar()  # a per-tensor "Loading weights" bar per model drowns the run log
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=dtype, local_files_only=True,
                                                  attn_implementation="sdpa")
+    if target.type != "cpu":
+        model.to(target)
     return model.eval()
 
 

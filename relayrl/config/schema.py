@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from relayrl.config.loader import check, fill_missing, load_config
 from relayrl.config.rules import check_rules
+from relayrl.device import DEVICE_SETTINGS, valid_device_setting
 
 
 def _get_int(data: dict[str, Any], section: str, key: str, default: int) -> int | None:
@@ -375,6 +376,8 @@ class RunConfig:
     output_dir: str = "runs"  # the run writes to output_dir/name
     tensorboard: bool = True  # also write TensorBoard events (metrics.jsonl is always written)
     threads: int | None = None  # torch intra-op threads (default: all cores)
+    # where the trainer and the local engines load their models: auto (cuda when available), cpu, cuda, cuda:N
+    device: str = "auto"
     print_samples: int = 1  # responses shown per step in the console
     log_trajectories: bool = True  # RUN_DIR/trajectories/<version>/{samples.txt,monitor.jsonl}
     save_final: bool = True  # RUN_DIR/model: the trained policy as a plain HF folder (for relayrl eval)
@@ -385,6 +388,7 @@ class RunConfig:
 
     def validate(self) -> None:
         check(self.steps >= 0, "steps", "must be >= 0")
+        check(valid_device_setting(self.device), "device", f"must be {DEVICE_SETTINGS}, got {self.device!r}")
         check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0: no checkpoints)")
         check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
         if self.resume not in ("", "auto"):

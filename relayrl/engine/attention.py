@@ -7,6 +7,9 @@ and value row once, for all query heads that share it, and also writes the step'
 index_put). It is compiled once per machine with the system C compiler into `cache_dir()/kernels` (by a temp
 file and a rename, so concurrent processes never load a half-written library) and loaded with ctypes, which
 releases the GIL during the call. Without a compiler, or with RELAYRL_KERNELS=0, LocalEngine uses SDPA.
+The kernel reads and writes CPU memory through raw pointers, so it is for CPU tensors only: an engine whose model
+is on a GPU always uses SDPA (LocalEngine logs why), and `decode_attention` refuses anything else rather than
+hand a device pointer to C.
 
 The model reaches the kernel through transformers' AttentionInterface: `install(model)` switches an SDPA model to
 the "relayrl_slots" implementation, which is SDPA unless the call carries `relayrl_cache` (a SlotKVCache in fused
@@ -96,6 +99,8 @@ def decode_attention(lib: ctypes.CDLL, query: torch.Tensor, key: torch.Tensor, v
     attend query [n, H, 1, D] over positions 0..positions[i]; returns [n, 1, H, D] (HF's layout after attention)."""
     n, heads, _, dim = query.shape
     kvh = key.shape[1]
+    if query.device.type != "cpu" or k_cache.device.type != "cpu":  # a device pointer in C would crash the process
+        raise RuntimeError(f"the decode-attention kernel runs on CPU tensors only, got {query.device}")
     assert query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and positions.dtype == torch.int64
     out = torch.empty(n, 1, heads, dim, dtype=query.dtype)

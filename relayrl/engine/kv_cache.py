@@ -10,6 +10,7 @@ The object is passed to the model as `past_key_values`; HF attention layers call
 the new keys/values of the current forward and attend over what it returns. In a *fused* decode step
 (relayrl.engine.attention's C kernel) `update()` hands the new keys/values back untouched and the
 attention function calls `attend()`, which writes them into the slots and attends in one pass.
+The slots live on the model's device (LocalEngine passes it); only the fused CPU kernel path is CPU-bound.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from relayrl.engine.attention import decode_attention
 
 class SlotKVCache:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 slots: int = 8, length: int = 256):
+                 slots: int = 8, length: int = 256, device: torch.device | str = "cpu"):
         self.kernel = None  # the decode-attention library (relayrl.engine.attention.load_kernel), set by the engine
         self.fused = False  # the current decode step runs attention through the kernel
         self.attended = 0  # layers the kernel served in the current fused step (checked by the engine)
         self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
+        self.device = torch.device(device)  # the model's: keys and values never leave it
         self.slots, self.length = 0, 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -39,8 +41,8 @@ class SlotKVCache:
             return
         new_slots, new_len = max(slots, self.slots), max(length, self.length)
         shape = (new_slots, self.kv_heads, new_len, self.head_dim)
-        new_k = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
-        new_v = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         for old, new in zip(self.k + self.v, new_k + new_v):
             new[: self.slots, :, : self.length] = old
         self.k, self.v, self.slots, self.length = new_k, new_v, new_slots, new_len
@@ -103,7 +105,7 @@ class SlotKVCache:
             return key, value  # attend() writes them
         if mode == "decode":
             positions, kv_len = self._mode[1], self._mode[2]
-            rows = torch.arange(key.shape[0])
+            rows = torch.arange(key.shape[0], device=key.device)
             self.k[layer_idx][rows, :, positions] = key[:, :, 0]
             self.v[layer_idx][rows, :, positions] = value[:, :, 0]
             n = key.shape[0]

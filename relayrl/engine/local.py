@@ -14,12 +14,17 @@ LoRA adapters (relayrl.trainer.lora) arrive the same way and are merged into a c
 
 A finished request that names a trajectory (`rid`) leaves its KV cache parked; the trajectory's next
 turn (a prompt that extends the parked tokens) reuses it and prefills only the new tokens.
+
+Devices: the engine runs where its model is (`self.device`, the model's first parameter): the KV cache, input
+ids, positions, masks and the sampling buffer are created there. Random numbers are drawn on the CPU from CPU
+generators (relayrl.engine.sampling says why). The C decode kernel is CPU-only; on a GPU decode runs on SDPA.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 from collections import OrderedDict, deque
@@ -28,11 +33,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from relayrl.device import model_device
 from relayrl.engine.base import GenOutput, SamplingParams
 from relayrl.engine.kv_cache import SlotKVCache
 from relayrl.engine.sampling import sample_tokens
 from relayrl.trainer.lora import is_adapter_name, merge_into
 from relayrl.utils import release_openmp_threads
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,15 +84,17 @@ class LocalEngine:
         self.max_seq_len = max_seq_len or int(getattr(cfg, "max_position_embeddings", 4096))
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.cache = SlotKVCache(cfg.num_hidden_layers, kv_heads, head_dim, next(model.parameters()).dtype)
+        self.device = model_device(model)
+        self.cache = SlotKVCache(cfg.num_hidden_layers, kv_heads, head_dim, next(model.parameters()).dtype,
+                                 device=self.device)
         self._params = dict(model.named_parameters())
         self._state = model.state_dict(keep_vars=True)  # also holds tied aliases (lm_head.weight)
         self._lora_base: dict[str, torch.Tensor] = {}  # adapted weights before their first LoRA merge
         self._released: dict[int, tuple] = {}  # id -> (parameter, shape) of weights emptied by release_memory
         # False when the model is the trainer's own (colocated sync RL in the trainer's dtype): never released
         self.owns_weights = owns_weights
-        self._generator = torch.Generator().manual_seed(seed)
-        self._sample_work = torch.empty(0)  # sampling's float32 scratch, grown to the largest batch x vocab
+        self._generator = torch.Generator().manual_seed(seed)  # a CPU generator on any device (sampling.py)
+        self._sample_work = torch.empty(0, device=self.device)  # sampling's float32 scratch, grown as needed
         self.max_tokens_in_flight, self.kv_on_update = max_tokens_in_flight, kv_on_update
         self._parked: OrderedDict[str, tuple[list[int], list[torch.Tensor]]] = OrderedDict()
         self.prefix_cache_size = prefix_cache_size
@@ -104,10 +114,12 @@ class LocalEngine:
         release_openmp_threads()
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype: str = "bfloat16", **kwargs) -> LocalEngine:
+    def from_pretrained(cls, path: str, *, dtype: str = "bfloat16", device: str | torch.device = "cpu",
+                        **kwargs) -> LocalEngine:
+        """`device`: auto, cpu, cuda or cuda:N (relayrl.device.resolve_device)."""
         from relayrl.models import eos_token_ids, load_model, load_tokenizer
 
-        model = load_model(path, dtype=dtype)
+        model = load_model(path, dtype=dtype, device=device)
         return cls(model, eos_token_ids=eos_token_ids(load_tokenizer(path), path), **kwargs)
 
     # ---- public API ---------------------------------------------------------------------------
@@ -151,7 +163,7 @@ class LocalEngine:
             adapters, written = {}, set()
             released, self._released = self._released, {}
             for p, shape in released.values():  # weights given back by release_memory come back here
-                p.data = torch.empty(shape, dtype=p.dtype)
+                p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
             for name, tensor in named_tensors:
                 if is_adapter_name(name):
                     adapters[name] = tensor
@@ -216,7 +228,7 @@ class LocalEngine:
                     if id(p) not in self._released:
                         self._released[id(p)] = (p, p.shape)
                         freed += p.numel() * p.element_size()
-                        p.data = torch.empty(0, dtype=p.dtype)
+                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             return freed
 
     def flush_cache(self) -> None:
@@ -267,12 +279,15 @@ class LocalEngine:
         return "kernel" if self.cache.kernel is not None else "sdpa"
 
     def _use_kernel(self, required: bool, heads: int, kv_heads: int, head_dim: int) -> None:
-        """Route decode attention through the C kernel when it builds, fits the model and the model sends its
-        attention calls to it (checked on one real decode step); else SDPA, or an error when `required`."""
+        """Route decode attention through the C kernel when the model is on the CPU, the kernel builds, fits the
+        model and the model sends its attention calls to it (checked on one real decode step); else SDPA (the
+        reason logged), or an error when `required`."""
         from relayrl.engine.attention import install, kernel_supports, load_kernel
 
         why = None
-        if not kernel_supports(self.cache.dtype, heads, kv_heads, head_dim):
+        if self.device.type != "cpu":
+            why = f"the C kernel reads CPU memory and the model is on {self.device}"
+        elif not kernel_supports(self.cache.dtype, heads, kv_heads, head_dim):
             why = f"no kernel for dtype={self.cache.dtype}, heads={heads}/{kv_heads}, head_dim={head_dim}"
         elif (lib := load_kernel()) is None:
             why = "the kernel did not build (see the warning above) or RELAYRL_KERNELS=0"
@@ -283,12 +298,14 @@ class LocalEngine:
             try:  # _forward_decode checks that every layer's attention went through the kernel
                 with torch.inference_mode():
                     self._prefill([0, 0], 0)
-                    self._forward_decode([0], torch.tensor([2]))
+                    self._forward_decode([0], [2])
             except RuntimeError as e:
                 self.cache.kernel, why = None, str(e)
             self.stats.update(prefill_tokens=0, prefills=0)
         if why and required:
             raise RuntimeError(f"engine.attention=kernel: {why}")
+        if why:
+            log.info("LocalEngine decode attention: SDPA (%s)", why)
 
     # ---- worker -------------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
@@ -389,21 +406,26 @@ class LocalEngine:
     def _prefill(self, tokens: list[int], slot: int, start: int = 0) -> torch.Tensor:
         """Run tokens[start:] through the model into `slot` (positions < start are already cached)."""
         n = len(tokens) - start
+        dev = self.device
         self.cache.prefill_into(slot, start)
-        mask = torch.ones(n, len(tokens), dtype=torch.bool).tril_(diagonal=start)[None, None]
-        out = self.model(input_ids=torch.tensor([tokens[start:]]), position_ids=torch.arange(start, len(tokens))[None],
+        mask = torch.ones(n, len(tokens), dtype=torch.bool, device=dev).tril_(diagonal=start)[None, None]
+        out = self.model(input_ids=torch.tensor([tokens[start:]], device=dev),
+                         position_ids=torch.arange(start, len(tokens), device=dev)[None],
                          attention_mask=mask, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.stats["prefill_tokens"] += n
         self.stats["prefills"] += 1
         return out.logits[:, -1].float()
 
-    def _forward_decode(self, tokens: list[int], positions: torch.Tensor) -> torch.Tensor:
-        """One token for each of slots 0..n-1 at `positions`; returns the logits [n, vocab]."""
-        kv_len = int(positions.max()) + 1
+    def _forward_decode(self, tokens: list[int], kv_lens: list[int]) -> torch.Tensor:
+        """One token for each of slots 0..n-1, at positions `kv_lens`; returns the logits [n, vocab]. The
+        lengths come as a list so that the mask's width is known without reading back from the device."""
+        dev = self.device
+        kv_len = max(kv_lens) + 1
+        positions = torch.tensor(kv_lens, device=dev)
         self.cache.decode(positions, kv_len)
-        mask = (torch.arange(kv_len)[None, :] <= positions[:, None])[:, None, None, :]
+        mask = (torch.arange(kv_len, device=dev)[None, :] <= positions[:, None])[:, None, None, :]
         extra = {"relayrl_cache": self.cache} if self.cache.fused else {}
-        out = self.model(input_ids=torch.tensor(tokens)[:, None], position_ids=positions[:, None],
+        out = self.model(input_ids=torch.tensor(tokens, device=dev)[:, None], position_ids=positions[:, None],
                          attention_mask=mask, past_key_values=self.cache, use_cache=True, **extra)
         if self.cache.fused and self.cache.attended != self.model.config.num_hidden_layers:
             raise RuntimeError(f"decode kernel ran for {self.cache.attended} of the model's layers")
@@ -411,7 +433,7 @@ class LocalEngine:
 
     def _decode_step(self) -> None:
         seqs = self._active
-        logits = self._forward_decode([s.out_ids[-1] for s in seqs], torch.tensor([s.kv_len for s in seqs]))
+        logits = self._forward_decode([s.out_ids[-1] for s in seqs], [s.kv_len for s in seqs])
         for s in seqs:
             s.kv_len += 1
         self.stats["steps"] += 1
@@ -420,7 +442,7 @@ class LocalEngine:
 
     def _sample_and_append(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         if self._sample_work.numel() < logits.numel():
-            self._sample_work = torch.empty(logits.numel())
+            self._sample_work = torch.empty(logits.numel(), device=self.device)
         tokens, logprobs = sample_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs],
                                          self._generator, self._sample_work)
         for seq, tok, lp in zip(seqs, tokens, logprobs):

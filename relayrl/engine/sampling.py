@@ -7,6 +7,11 @@ requests share its batch, which keeps runs reproducible when the continuous batc
 per row, instead of a noise value per vocabulary entry (the Gumbel-max trick), is what makes sampling cheap
 next to the forward: with 256 rows and a 49k vocabulary the Gumbel noise alone cost more than the rest of
 sampling (bench/rollout.py, docs/benchmarks.md).
+
+Devices: the arithmetic runs on the logits' device, but the uniforms are drawn on the CPU, from CPU generators,
+and moved there (one number per row). So a seeded request samples the same u on a CPU and on a GPU engine, and
+the engine's generator state is one CPU ByteTensor that a checkpoint saves and restores anywhere; a CUDA
+generator per request would also have to live on the engine's device and be re-created when it moves.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = torch.minimum(u * total, total * (1 - 1e-6))  # stay below the total despite rounding
     block = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1).clamp_(max=cdf.shape[1] - 1)
     before = torch.where(block > 0, cdf.gather(1, (block - 1).clamp(min=0)[:, None]).squeeze(-1), 0.0)
-    cols = block[:, None] * _BLOCK + torch.arange(_BLOCK)
+    cols = block[:, None] * _BLOCK + torch.arange(_BLOCK, device=weights.device)
     inside = weights.gather(1, cols.clamp(max=vocab - 1)).masked_fill_(cols >= vocab, 0.0).cumsum(dim=-1)
     rest = torch.minimum(target - before, inside[:, -1] * (1 - 1e-6))  # the two sums may round differently
     return block * _BLOCK + torch.searchsorted(inside, rest[:, None], right=True).squeeze(-1).clamp_(max=_BLOCK - 1)
@@ -73,31 +78,36 @@ def sample_tokens(
     """Sample one token per row of `logits` [rows, vocab]; return tokens and their logprobs.
 
     The logprob is log_softmax(logits / T)[token] (T = 1 for greedy rows), i.e. before top-k/top-p, computed
-    in fp32 as (logit - max) / T - log(sum(exp((logits - max) / T))). `work`, a float32 tensor of at least
-    rows * vocab elements kept (and grown) by the caller, holds the probabilities: a fresh 50 MB tensor every
-    decode step costs more in page faults than the arithmetic (measured 15 ms vs 8 ms at 256 x 49k).
+    in fp32 as (logit - max) / T - log(sum(exp((logits - max) / T))). `work`, a float32 tensor on the logits'
+    device of at least rows * vocab elements kept (and grown) by the caller, holds the probabilities: a fresh
+    50 MB tensor every decode step costs more in page faults than the arithmetic (measured 15 ms vs 8 ms at
+    256 x 49k). Which branches run is decided from `params` in Python, so a GPU step does not wait on the
+    device to learn them.
     """
-    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params])
-    greedy = torch.tensor([p.greedy for p in params])
+    device = logits.device
+    temp_list = [1.0 if p.greedy else p.temperature for p in params]
+    greedy_list = [p.greedy for p in params]
+    temps = torch.tensor(temp_list, device=device)
     top = logits.max(dim=-1, keepdim=True).values.float()
     if work is None:
-        work = torch.empty(logits.numel())
+        work = torch.empty(logits.numel(), device=device)
     weights = work[: logits.numel()].view(logits.shape).copy_(logits).sub_(top)
-    if not bool((temps == 1).all()):
+    if any(t != 1 for t in temp_list):
         weights.div_(temps[:, None])
     weights.exp_()  # exp((logits - max) / T): unnormalised probabilities, at most 1
-    if bool(greedy.all()):
+    if all(greedy_list):
         tokens = logits.argmax(dim=-1)
     else:
-        top_k = torch.tensor([p.top_k for p in params])
-        top_p = torch.tensor([p.top_p for p in params])
         filtered = weights
-        if bool((top_k > 0).any() or (top_p < 1).any()):
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            top_k = torch.tensor([p.top_k for p in params], device=device)
+            top_p = torch.tensor([p.top_p for p in params], device=device)
             scaled = logits.float() / temps[:, None]
             filtered = _filter_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
-        tokens = _inverse_cdf(filtered, _uniforms(len(params), generators, default_generator))
-        if bool(greedy.any()):
-            tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+        u = _uniforms(len(params), generators, default_generator).to(device)
+        tokens = _inverse_cdf(filtered, u)
+        if any(greedy_list):
+            tokens = torch.where(torch.tensor(greedy_list, device=device), logits.argmax(dim=-1), tokens)
     chosen = (logits.gather(-1, tokens[:, None]).squeeze(-1).float() - top.squeeze(-1)) / temps
     chosen -= weights.sum(dim=-1).log()
     return tokens.tolist(), chosen.tolist()

@@ -214,7 +214,7 @@ class TrainController:
         t = self.train_cfg
         return Critic.from_pretrained(path, dtype=next(self.engine.model.parameters()).dtype, lr=self.algo.critic_lr,
                                       betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                                      autocast_bf16=self.engine.autocast_bf16)
+                                      autocast_bf16=self.engine.autocast_bf16, device=self.engine.device)
 
     def _optimizers(self) -> list:
         return [self.engine.optimizer] + ([self.critic.optimizer] if self.critic is not None else [])

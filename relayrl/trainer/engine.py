@@ -4,6 +4,11 @@ The engine knows nothing about RL: it computes per-token logprobs (and entropies
 and runs an optimizer step over micro-batches with a loss function the algorithm supplies. Logits
 are computed only at trained positions (hidden states are gathered before the LM head), which on
 small models with big vocabularies saves a large share of the forward cost and memory.
+
+Devices: the engine computes where its model is (`self.device`): each micro-batch, packed on the CPU, is moved
+there just before its forward, autocast follows the device type, and logprobs come back on the CPU, where the
+controller keeps the per-token data (old logprobs, advantages, weights) that the loss combines them with.
+Gradients flow back through that copy to the device.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from relayrl.device import model_device
 from relayrl.trainer.algo import reduce_stats
 from relayrl.trainer.logprobs import token_logprobs
 from relayrl.trainer.lora import adapter_tensors, is_lora
@@ -28,6 +34,7 @@ class TrainEngine:
                  weight_decay: float = 0.0, grad_clip: float = 1.0, temperature: float = 1.0,
                  autocast_bf16: bool = False, gradient_checkpointing: bool = False):
         self.model = model
+        self.device = model_device(model)
         params = [p for p in model.parameters() if p.requires_grad]
         # eval mode except inside train_step: a local engine may generate on this very model (shared weights),
         # and dropout, LoRA dropout and gradient checkpointing belong to training only
@@ -43,28 +50,32 @@ class TrainEngine:
                           if params else None)
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype: str = "float32", lora=None, **kwargs) -> TrainEngine:
+    def from_pretrained(cls, path: str, *, dtype: str = "float32", lora=None, device: str | torch.device | None = None,
+                        **kwargs) -> TrainEngine:
         """`lora`: settings with lora_rank > 0 (ModelConfig) wrap the model with peft, so that only the
-        adapters are trainable and in the optimizer (relayrl.trainer.lora)."""
+        adapters are trainable and in the optimizer (relayrl.trainer.lora). `device`: where the model loads
+        (relayrl.device.resolve_device; None: the CPU)."""
         from relayrl.models import load_model
 
-        model = load_model(path, dtype=dtype)
+        model = load_model(path, dtype=dtype, device=device)
         if lora is not None and lora.lora_rank > 0:
             model = wrap_lora(model, lora)
         return cls(model, **kwargs)
 
     def _autocast(self):
         if self.autocast_bf16:
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def logprobs(self, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False):
         """Logprobs of mb.targets under log_softmax(logits / temperature); entropy per token if asked.
 
         The LM head runs in chunks of rows (relayrl.trainer.logprobs), so [tokens x vocab] logits are
-        never held whole, in training or in the old-policy and reference passes."""
+        never held whole, in training or in the old-policy and reference passes. Computed on the model's
+        device, returned on the CPU (module doc)."""
         with self._autocast():
-            return self._token_logprobs(mb, with_entropy, entropy_grad)
+            logp, entropy = self._token_logprobs(mb.to(self.device), with_entropy, entropy_grad)
+        return logp.cpu(), None if entropy is None else entropy.cpu()
 
     def _token_logprobs(self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool):
         hidden = self.model.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask,

@@ -30,7 +30,6 @@ torch.distributed.checkpoint, every rank its shard (relayrl.checkpoint_dist; `sh
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -95,28 +94,18 @@ class FSDPEngine(TrainEngine):
             raise RuntimeError("FSDPEngine needs a process group: call relayrl.trainer.fsdp.init_distributed() "
                                "first (run under torchrun, or set RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.device = (torch.device("cuda", torch.cuda.current_device())
-                       if dist.get_backend() == "nccl" else torch.device("cpu"))
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if dist.get_backend() == "nccl" else torch.device("cpu"))
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()  # before sharding, while the layers are plain modules
-        model.to(self.device)
+        model.to(device)
         self.root = _shard(model, mixed_precision)
-        super().__init__(model, **kwargs)
+        super().__init__(model, **kwargs)  # TrainEngine moves micro-batches to self.device, returns logprobs on CPU
+        self.device = device  # the backend's device, whatever a sharded parameter reports
 
     # ---- forward ------------------------------------------------------------------------------
-    def _autocast(self):
-        if self.autocast_bf16:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return super()._autocast()
-
     def _token_logprobs(self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool):
         return self.root(mb, self.temperature, with_entropy, entropy_grad)
-
-    def logprobs(self, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False):
-        """As TrainEngine.logprobs, computed on this rank's device and returned on the CPU, where the
-        controller keeps the per-token training data that the loss combines them with."""
-        logp, entropy = super().logprobs(_to_device(mb, self.device), with_entropy, entropy_grad)
-        return logp.cpu(), None if entropy is None else entropy.cpu()
 
     # ---- training -----------------------------------------------------------------------------
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *,
@@ -235,10 +224,3 @@ def _shard(model: torch.nn.Module, mixed_precision: bool) -> _TrainedPositions:
             m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     return root
 
-
-def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
-    if device.type == "cpu":
-        return mb
-    moved = {f.name: getattr(mb, f.name).to(device, non_blocking=True) for f in dataclasses.fields(mb)
-             if isinstance(getattr(mb, f.name), torch.Tensor)}
-    return dataclasses.replace(mb, **moved)

@@ -131,8 +131,9 @@ class BaseReference:
 
 # ---- engine side -------------------------------------------------------------------------------------
 def merge_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor) -> torch.Tensor:
-    """W + scaling * B @ A in fp32 (a bf16 product would round every update differently from the trainer)."""
-    return w.float() + float(scaling) * (b.float() @ a.float())
+    """W + scaling * B @ A in fp32 (a bf16 product would round every update differently from the trainer), on W's
+    device: adapters may arrive from a trainer on another device, or from disk on the CPU."""
+    return w.float() + float(scaling) * (b.to(w.device, torch.float32) @ a.to(w.device, torch.float32))
 
 
 def _by_weight(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, ...]]:

@@ -9,6 +9,7 @@ kept per sample and gathered per micro-batch in the same order as the targets.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,15 @@ class MicroBatch:
     @property
     def padded_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """This micro-batch with its tensors on `device`. Packing happens on the CPU (Python lists to tensors);
+        engines move each micro-batch to their model's device just before its forward. On the CPU: itself."""
+        if torch.device(device).type == "cpu":
+            return self
+        moved = {f.name: getattr(self, f.name).to(device, non_blocking=True) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **moved)
 
 
 @dataclass

@@ -5,7 +5,8 @@ weights relayed to inference engines exactly those of the policy, and lets the c
 own rate (`algo.critic_lr`). Values are read on the same packed micro-batches as the policy's
 logprobs: V(s_t) is the head applied to the hidden state at the position that predicts response
 token t (`MicroBatch.rows/cols`), i.e. the state before token t is chosen. Shared-prompt rows work
-unchanged, because attention never crosses sequences there either.
+unchanged, because attention never crosses sequences there either. As with the policy's TrainEngine, each
+micro-batch moves to the critic's device for its forward and the values come back on the CPU.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from relayrl.device import model_device
 from relayrl.trainer.algo import reduce_stats
 from relayrl.trainer.engine import clip_and_step
 from relayrl.trainer.packer import MicroBatch
@@ -32,7 +34,7 @@ class ValueModel(nn.Module):
         super().__init__()
         self.backbone = backbone
         dtype = next(backbone.parameters()).dtype
-        self.head = nn.Linear(hidden_size, 1, dtype=dtype)
+        self.head = nn.Linear(hidden_size, 1, dtype=dtype, device=model_device(backbone))
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
@@ -48,25 +50,32 @@ class Critic:
     def __init__(self, model: ValueModel, *, lr: float = 1e-5, betas: tuple[float, float] = (0.9, 0.999),
                  weight_decay: float = 0.0, grad_clip: float = 1.0, autocast_bf16: bool = False):
         self.model = model.train()
+        self.device = model_device(model)
         self.grad_clip, self.autocast_bf16 = grad_clip, autocast_bf16
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay,
                                            fused=True)
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype: str | torch.dtype = "float32", **kwargs) -> Critic:
-        """The backbone of the causal LM at `path` (its LM head is dropped) with a fresh value head."""
+    def from_pretrained(cls, path: str, *, dtype: str | torch.dtype = "float32",
+                        device: str | torch.device | None = None, **kwargs) -> Critic:
+        """The backbone of the causal LM at `path` (its LM head is dropped) with a fresh value head, on `device`."""
         from relayrl.models import load_model
 
-        lm = load_model(path, dtype=dtype)
+        lm = load_model(path, dtype=dtype, device=device)
         return cls(ValueModel(lm.get_decoder(), lm.config.hidden_size), **kwargs)
 
     def _autocast(self):
-        return torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast_bf16 else contextlib.nullcontext()
+        return (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16
+                else contextlib.nullcontext())
+
+    def _values(self, mb: MicroBatch) -> torch.Tensor:
+        """V(s_t) per trained token, computed on the critic's device, returned on the CPU (with its graph)."""
+        with self._autocast():
+            return self.model(mb.to(self.device)).cpu()
 
     @torch.no_grad()
     def forward_values(self, mb: MicroBatch) -> torch.Tensor:
-        with self._autocast():
-            return self.model(mb)
+        return self._values(mb)
 
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: ValueLossFn) -> dict[str, float]:
         """One optimizer step; loss_fn's weights make the sum over micro-batches the batch's value loss."""
@@ -76,9 +85,7 @@ class Critic:
         for mb in micro_batches:
             if mb.num_tokens == 0:
                 continue
-            with self._autocast():
-                values = self.model(mb)
-            loss, stats = loss_fn(mb, values)
+            loss, stats = loss_fn(mb, self._values(mb))
             loss.backward()
             per_mb.append(stats)
         stats = reduce_stats(per_mb, mean=False)

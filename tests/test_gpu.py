@@ -1,0 +1,56 @@
+"""`pytest -m gpu`: the engine and the trainer on CUDA, on the tiny random model (scripts/gpu_check.sh runs these
+and the GPU benches). The checks are tests/device_checks.py's, which tests/test_device.py also runs on the CPU.
+Without CUDA every test here is skipped, with the reason shown (`pytest -rs`)."""
+
+import pytest
+import torch
+from device_checks import (
+    PROMPTS,
+    check_chunked_logprobs,
+    check_colocated_run,
+    check_engine_logprob_parity,
+    check_train_step,
+    check_weight_sync,
+    engine_on,
+)
+
+from relayrl.engine.base import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason=f"CUDA is not available: torch {torch.__version__} (CUDA build: {torch.version.cuda}) "
+                              "sees no GPU; run scripts/gpu_check.sh on a machine with one"),
+]
+
+
+def test_engine_logprobs_equal_a_full_forward_on_cuda(tiny_path):
+    check_engine_logprob_parity(tiny_path, "cuda")
+
+
+def test_seeded_request_samples_the_same_tokens_on_cpu_and_cuda(tiny_path):
+    """Uniforms come from CPU generators on every device (relayrl.engine.sampling), so a seeded request draws the
+    same numbers on both; with logits equal up to float noise, it picks the same tokens."""
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        eng = engine_on(tiny_path, device, max_batch_size=4)
+        outs[device] = [o.output_ids for o in eng.generate(PROMPTS[:5], params)]
+        eng.close()
+    assert outs["cpu"] == outs["cuda"]
+
+
+def test_one_train_step_on_cuda(tiny_path):
+    check_train_step(tiny_path, "cuda")
+
+
+def test_chunked_logprobs_equal_the_plain_log_softmax_on_cuda(tiny_path):
+    check_chunked_logprobs(tiny_path, "cuda")
+
+
+def test_weight_sync_to_the_engine_on_cuda(tiny_path, tmp_path):
+    check_weight_sync(tiny_path, "cuda", tmp_path)
+
+
+def test_colocated_run_on_cuda(tiny_path, tmp_path):
+    check_colocated_run(tiny_path, "cuda", tmp_path)
