@@ -81,7 +81,9 @@ def run_relayrl(a, tmp: str) -> dict:
     from relayrl.evaluator import rollout_metrics
 
     d = dataset_cfg(a)
-    overrides = [f"model.path={a.model}", "model.autocast_bf16=true", "engine.dtype=bfloat16",  # as the example
+    # precision as the example chooses it (engine.dtype auto: bf16 only where native; the trainer follows);
+    # gradient checkpointing off on both sides (TRL's setting below), default 4096-token micro-batches
+    overrides = [f"model.path={a.model}", "engine.dtype=auto", "model.autocast_bf16=auto",
                  f"sampling.max_new_tokens={a.max_new_tokens}", f"sampling.temperature={a.temperature}",
                  f"data.train.source={d.source}", f"data.train.size={d.size}", f"data.train.seed={d.seed}",
                  f"data.train.kwargs={json.dumps(d.kwargs)}", f"data.batch_size={a.prompts}",
