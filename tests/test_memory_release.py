@@ -47,6 +47,21 @@ def test_update_after_release_must_bring_every_weight(tiny_path):
         eng.close()
 
 
+def test_a_busy_engine_keeps_its_memory_and_finishes_its_requests(tiny_path):
+    eng = _engine(tiny_path)
+    try:
+        eng.pause()  # a live request that has not finished
+        future = eng.submit([5, 6, 7], GREEDY)
+        assert eng.release_memory() == 0 and all(p.numel() > 0 for p in eng.model.parameters())
+        eng.resume()
+        assert len(future.result(timeout=60).output_ids) == GREEDY.max_new_tokens
+        cancelled = eng.submit([8, 9], GREEDY)  # a request nobody waits for any more does not hold it back
+        cancelled.cancel()
+        assert eng.release_memory() > 0
+    finally:
+        eng.close()
+
+
 def test_an_engine_on_borrowed_weights_never_releases_them(tiny_path):
     eng = _engine(tiny_path, owns_weights=False)
     try:

@@ -217,11 +217,15 @@ class LocalEngine:
     def release_memory(self, weights: bool = True) -> int:
         """Give back the KV cache, parked prefixes and (weights=True) the weight storage while the trainer in
         this process needs the memory (colocated synchronous RL: the engine is idle while training). The next
-        `update_weights` must send every weight; it reallocates them. Returns the bytes released."""
-        with self._step_lock:
-            if self._active or self._waiting:
-                raise RuntimeError("release_memory: requests are running; it is for an idle engine")
+        `update_weights` must send every weight; it reallocates them. An engine still serving live requests
+        keeps its memory (returns 0). Returns the bytes released."""
+        with self._step_lock, torch.inference_mode():
+            self._drop_cancelled()  # e.g. over-sampled groups the scheduler dropped: nobody waits for them
+            with self._cond:
+                self._waiting = deque(q for q in self._waiting if not q.future.cancelled())
             self._parked.clear()
+            if self._active or self._waiting:  # someone still generates: keep what their requests use
+                return 0
             freed = self.cache.release()
             if weights and self.owns_weights:
                 for p in self._params.values():
