@@ -1,21 +1,7 @@
 """The Python face of relayrl: load a config, train, evaluate, with your agent and reward as plain objects.
 
-    from relayrl import Agent, Status, load_config, train
-
-    def reward(response: str, row: dict) -> float:
-        return float(row["answer"] in response)
-
-    class Once(Agent):
-        async def generate_sample(self, sample):
-            out = await self.rollout_ctl.generate(sample.prompt_ids, self.params_for(sample))
-            sample.append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason)
-            sample.response_text = self.decode(out.output_ids)
-            await self.judge.judge(sample)
-            sample.status = Status.COMPLETED
-            return sample
-
     cfg = load_config(overrides={"data.train.source": "prompts.jsonl", "run.steps": 10})
-    train(cfg, agent=Once, reward=reward)
+    train(cfg, agent=MyAgent, reward=my_reward)        # a whole script: examples/python_api.py
 
 Configs name user code by import path ("module:name") because reward functions run in worker processes and
 a run may be rebuilt in another process (separate placement, Ray). `train` turns objects into those paths; an
