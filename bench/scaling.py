@@ -112,6 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", help="result file (default bench/results/scaling.json; --quick: a temp file)")
     p.add_argument("--plot", help="plot file (default docs/img/scaling.png; --quick: a temp file)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, 1 step, < 60 s, nothing recorded")
+    p.add_argument("--replot", action="store_true", help="only redraw --plot from the --out result file")
+    p.add_argument("--plot-also", action="append", default=[], metavar="RESULT_JSON",
+                   help="more result files whose series the plot shows too (e.g. a run with MALLOC_ settings)")
     p.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. run.threads=1")
     p.add_argument("--child", help=argparse.SUPPRESS)  # JSON spec of one run (internal)
     p.add_argument("--result-file", help=argparse.SUPPRESS)
@@ -372,7 +375,7 @@ def run_child(spec: dict) -> dict:
                          "gradient_checkpointing": cfg.model.gradient_checkpointing,
                          "attention": engine.attention, "threads": torch.get_num_threads(),
                          "malloc_trim": bool(spec.get("malloc_trim")),
-                         "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX")}}
+                         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}}
 
 # ---- the parent: plan, run, summarize ---------------------------------------------------------------------------
 def run_spec(a, spec: dict, env_extra: dict | None = None) -> dict:
@@ -415,8 +418,8 @@ def plan(a, hf_config: dict, params: int, shape: dict, overrides: list[str], mem
     """The memory estimate of a run and, when it cannot run, why."""
     cfg = run_config(a, overrides)
     est = memory_estimate(hf_config, params, shape, cfg.train.micro_batch_tokens, cfg.model.gradient_checkpointing)
-    out = {"estimated_need_gb": {k: round(v / GB, 2) for k, v in est.items()}}
     avail = meminfo()["MemAvailable"]
+    out = {"estimated_need_gb": {k: round(v / GB, 2) for k, v in est.items()}, "mem_available_gb": avail / GB}
     need = est["total"]
     if need > 0.95 * mem_total:  # the kernel and page tables need some of MemTotal too
         half = f"; bf16 weights and optimizer state (model.train_dtype=bfloat16, 8 B/param) would need ~" \
@@ -467,7 +470,14 @@ def goals(sizes: dict, series_names: list[str]) -> dict:
     return out
 
 
-def plot(res: dict, path: str) -> None:
+def _env_label(sizes: dict, series: str) -> str:
+    """' + MALLOC_X=..' when a result file's runs had allocator settings in their environment."""
+    env = next((v.get("settings", {}).get("malloc_env") for v in series_runs(sizes, series).values()), None)
+    return "".join(f" + {k}={v}" for k, v in (env or {}).items())
+
+
+def plot(res: dict, path: str, also: list[dict] = ()) -> None:
+    """Step time and peak RSS against parameters, one line per series of `res` and of each result in `also`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -475,13 +485,15 @@ def plot(res: dict, path: str) -> None:
 
     sizes = res["sizes"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
-    colors = {"default": "tab:red", "gradient_checkpointing": "tab:blue"}
-    for series in res["workload"]["series"]:
-        ran = series_runs(sizes, series)
+    colors = iter(["tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange"])
+    lines = [(r["sizes"], s) for r in (res, *also) for s in r["workload"]["series"]]
+    for sizes_of, series in lines:
+        ran = series_runs(sizes_of, series)
         if not ran:
             continue
+        series = f"{series}{_env_label(sizes_of, series)}"
         xs = [v["params"] / 1e9 for v in ran.values()]
-        c = colors.get(series, "tab:green")
+        c = next(colors, "tab:gray")
         ax1.plot(xs, [v["step_s"] for v in ran.values()], "o-", color=c, label=f"{series}: step")
         ax1.plot(xs, [v["train_s"] for v in ran.values()], "^--", color=c, alpha=0.6, label=f"{series}: train")
         ax1.plot(xs, [v["rollout_s"] for v in ran.values()], "v:", color=c, alpha=0.6, label=f"{series}: rollout")
@@ -500,8 +512,9 @@ def plot(res: dict, path: str) -> None:
     ax2.axhline(res["mem_total_gb"], color="gray", alpha=0.6, label=f"machine RAM {res['mem_total_gb']:.1f} GB")
     ax1.set(xlabel="parameters (B)", ylabel="seconds", title=f"one GRPO step ({res['workload']['shape_str']})")
     ax2.set(xlabel="parameters (B)", ylabel="GB", title="peak RSS of the step's process")
+    ax1.set_ylim(0, ax1.get_ylim()[1] * 1.8)  # room for the legend above the lines
     for ax in (ax1, ax2):
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left")
         ax.grid(alpha=0.3)
     m = res["machine"]
     fig.suptitle(f"relayrl scaling: {m.get('cpu_model', '?')}, {m.get('cores')} cores "
@@ -541,6 +554,11 @@ def main() -> None:
     a = parse_args()
     if a.child:
         _common.write_json(a.result_file, run_child(json.loads(a.child)))
+        return
+    also = [json.loads(Path(f).read_text()) for f in a.plot_also]
+    if a.replot:
+        plot(json.loads(Path(a.out).read_text()), a.plot, also)
+        print(f"wrote {a.plot}", file=sys.stderr)
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     table = size_table(a.quick)
@@ -590,7 +608,7 @@ def main() -> None:
     print(json.dumps(res, indent=2))
     _common.write_json(a.out, res)
     if res["sizes"]:
-        plot(res, a.plot)
+        plot(res, a.plot, also)
     print(f"wrote {a.out}" + (f" and {a.plot}" if res["sizes"] else ""), file=sys.stderr)
 
 
