@@ -3,9 +3,9 @@
 Why: with a 49k vocabulary the LM head's output dominates a small model's training memory. 4096 trained
 tokens give 800 MB of fp32 logits, and autograd keeps several tensors of that size (the logits, their
 log-softmax, the bf16 copy under autocast) until backward. Here the LM head runs over chunks of rows: each
-chunk's logits live only while its log-softmax, target gather and entropy are taken, and backward recomputes
-them one chunk at a time (one extra LM-head matmul, the price of activation checkpointing the head). Peak
-memory for the head is then one chunk, whatever the batch.
+chunk's logits live only while its log-softmax, target gather and entropy are taken; backward recomputes them
+in blocks of vocabulary columns (one extra LM-head matmul, the price of checkpointing the head), so each block of
+the weight gradient is written once. Peak memory for the head is one chunk or block, whatever the batch.
 
 The gradient is written out by hand. With z = logits / T, p = softmax(z), lp = log p:
     d lp[t] / d z = onehot(t) - p
@@ -36,7 +36,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     rows = chunk_rows(weight.shape[0], chunk_bytes)
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
     if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
-        return _forward(hidden, weight, targets, inv_t, rows, with_entropy)
+        return _forward(hidden, weight, targets, inv_t, rows, with_entropy)[:2]
     logp, entropy = _ChunkedLogprobs.apply(hidden, weight, targets, inv_t, rows, with_entropy, entropy_grad)
     return logp, entropy if with_entropy else None
 
@@ -49,17 +49,18 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, inv_t: float) -> torch.
 
 @torch.no_grad()
 def _forward(hidden, weight, targets, inv_t, rows, with_entropy):
-    """Per-chunk logsumexp, target logprob and entropy; returns (logp, entropy or None) and nothing else."""
+    """Per-chunk logsumexp, target logprob and entropy: (logp, entropy or None, logsumexp per row)."""
     n = hidden.shape[0]
     logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    lse_all = torch.empty(n, dtype=torch.float32, device=hidden.device)
     entropy = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
     for s in range(0, n, rows):
         z = _chunk_logits(hidden[s: s + rows], weight, inv_t)
-        lse = torch.logsumexp(z, dim=-1)
+        lse = lse_all[s: s + rows] = torch.logsumexp(z, dim=-1)
         logp[s: s + rows] = z.gather(-1, targets[s: s + rows, None]).squeeze(-1) - lse
         if entropy is not None:  # H = lse - sum p z, with p = exp(z - lse) computed in place
             entropy[s: s + rows] = lse - (z.sub(lse[:, None]).exp_() * z).sum(-1)
-    return logp, entropy
+    return logp, entropy, lse_all
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -67,11 +68,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, inv_t, rows, with_entropy, entropy_grad):
         device = hidden.device.type  # backward runs outside the caller's autocast: it is restored from here
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        logp, entropy = _forward(hidden, weight, targets, inv_t, rows, with_entropy)
+        logp, entropy, lse = _forward(hidden, weight, targets, inv_t, rows, with_entropy)
         if entropy is None:
             entropy = logp.new_zeros(0)
-        ctx.save_for_backward(hidden, weight, targets, entropy)
-        ctx.inv_t, ctx.rows, ctx.entropy_grad = inv_t, rows, with_entropy and entropy_grad
+        ctx.save_for_backward(hidden, weight, targets, entropy, lse)
+        # backward walks the vocabulary in blocks of columns, as many as `rows` full rows would hold
+        ctx.inv_t, ctx.cols, ctx.entropy_grad = inv_t, max(1, rows * weight.shape[0] // max(1, hidden.shape[0])), \
+            with_entropy and entropy_grad
         if not ctx.entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -84,37 +87,38 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 
 def _backward(ctx, grad_logp, grad_entropy):
-    """Recompute each chunk's softmax and push its gradient into hidden and weight (formulas: module doc)."""
-    hidden, weight, targets, entropy = ctx.saved_tensors
-    g_h = grad_entropy if ctx.entropy_grad else None
-    grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+    """Recompute the logits one block of vocabulary columns at a time, for all rows: each block's weight
+    gradient is written once (row chunks would rewrite the whole [vocab x hidden] gradient per chunk, which at a
+    152k vocabulary cost 20x the rest of the head), and the rows' logsumexp saved by forward normalises it."""
+    hidden, weight, targets, entropy, lse = ctx.saved_tensors
+    ent = (entropy, grad_entropy) if ctx.entropy_grad and grad_entropy is not None else None
+    grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) \
+        if ctx.needs_input_grad[0] else None
+    grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) \
         if ctx.needs_input_grad[1] else None
     autocast = torch.is_autocast_enabled(hidden.device.type)
-    for s in range(0, hidden.shape[0], ctx.rows):
-        rows = slice(s, s + ctx.rows)
-        dz = _chunk_grad_logits(hidden[rows], weight, targets[rows], ctx.inv_t, grad_logp[rows],
-                                None if g_h is None else (entropy[rows], g_h[rows]))
-        if not autocast:  # autocast casts the matmul operands itself (and caches the weight's cast)
+    for v0 in range(0, weight.shape[0], ctx.cols):
+        block = weight[v0: v0 + ctx.cols]
+        dz = _block_grad_logits(hidden, block, v0, targets, lse, ctx.inv_t, grad_logp, ent)
+        if not autocast:  # autocast casts the matmul operands itself
             dz = dz.to(weight.dtype)
         if grad_hidden is not None:
-            grad_hidden[rows] = dz @ weight
+            grad_hidden += dz @ block
         if grad_weight is not None:
-            grad_weight += dz.t() @ hidden[rows]
-    if grad_weight is not None:
-        grad_weight = grad_weight.to(weight.dtype)
-    return grad_hidden, grad_weight, None, None, None, None, None
+            grad_weight[v0: v0 + ctx.cols] = dz.t() @ hidden
+    return (None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+            None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None)
 
 
-def _chunk_grad_logits(h, weight, targets, inv_t, g_lp, entropy_part):
-    """d loss / d logits [rows, vocab] in fp32 for one chunk: g_lp * (onehot - p) [- g_H * p * (lp + H)], / T."""
-    lp = _chunk_logits(h, weight, inv_t)
-    lp.sub_(torch.logsumexp(lp, dim=-1, keepdim=True))
+def _block_grad_logits(hidden, block, v0, targets, lse, inv_t, grad_logp, ent):
+    """d loss / d logits [rows, block] in fp32: g_lp * (onehot - p) [- g_H * p * (lp + H)], / T."""
+    lp = _chunk_logits(hidden, block, inv_t).sub_(lse[:, None])
     p = lp.exp()
-    g = g_lp[:, None]
+    g = grad_logp[:, None]
     dz = p.mul(-g)
-    dz.scatter_add_(-1, targets[:, None], g)
-    if entropy_part is not None:
-        entropy, g_ent = entropy_part
+    inside = ((targets >= v0) & (targets < v0 + block.shape[0])).nonzero().squeeze(-1)
+    dz[inside, targets[inside] - v0] += grad_logp[inside]
+    if ent is not None:
+        entropy, g_ent = ent
         dz.sub_(p.mul_(lp.add_(entropy[:, None])).mul_(g_ent[:, None]))
     return dz.mul_(inv_t) if inv_t != 1.0 else dz
