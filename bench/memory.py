@@ -179,7 +179,7 @@ def run_relayrl(a) -> dict:
                          "gradient_checkpointing": c.cfg.model.gradient_checkpointing}}
 
 
-def child(a, extra: list[str], script: str = __file__) -> dict:
+def child(extra: list[str], script: str = __file__) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_mem_res_") as d:
         out = os.path.join(d, "result.json")
         cmd = [sys.executable, os.path.abspath(script), *extra, "--result-file", out]
@@ -194,7 +194,7 @@ def trl_side(side: str, steps: int) -> dict:
     """TRL GRPOTrainer's peak RSS on the README job's settings (bench/grpo_step_vs_trl.py's defaults)."""
     from relayrl.models import resolve_model_path
 
-    res = child(None, ["--side", side, "--steps", str(steps), "--model", resolve_model_path("smollm2")],
+    res = child(["--side", side, "--steps", str(steps), "--model", resolve_model_path("smollm2")],
                 script=str(Path(__file__).with_name("grpo_step_vs_trl.py")))
     return {"peak_rss_gb": res["peak_rss_gb"], "settings": res["settings"]}
 
@@ -213,7 +213,7 @@ def main() -> None:
     load = _common.load_before_run()
     res = {**_common.result_header("memory"), "load_before": load, "config": a.config, "overrides": a.overrides,
            "steps": a.steps}
-    res["relayrl"] = child(a, ["--side", "relayrl", "--config", a.config, "--steps", str(a.steps), *overrides])
+    res["relayrl"] = child(["--side", "relayrl", "--config", a.config, "--steps", str(a.steps), *overrides])
     if not a.no_trl:
         res["trl"] = trl_side("trl", a.steps)
         res["trl_bf16"] = trl_side("trl_bf16", a.steps)

@@ -54,12 +54,14 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return model, flags
-    for line in text.splitlines():
+    fields: dict[str, str] = {}
+    for line in text.splitlines():  # the first CPU's entries (every core lists the same)
         key, _, value = line.partition(":")
-        if key.strip() == "model name" and model in ("unknown", "", platform.processor()):
-            model = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = frozenset(value.split())
+        fields.setdefault(key.strip(), value.strip())
+    if "model name" in fields:
+        model = fields["model name"]
+    if "flags" in fields:
+        flags = frozenset(fields["flags"].split())
     return model, flags
 
 

@@ -133,7 +133,7 @@ def release_openmp_threads() -> None:
 
 
 # ---- glibc malloc --------------------------------------------------------------------------------------------
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
 @functools.cache
