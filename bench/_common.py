@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from relayrl.utils import atomic_write_text
+from relayrl.common.utils import atomic_write_text
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,7 +32,7 @@ def machine_info() -> dict:
     recorded number needs (an AVX2-only CPU runs bf16 ~65x slower than one with AVX512-BF16/AMX)."""
     import torch
 
-    from relayrl.hardware import bf16_support, cpu_info
+    from relayrl.common.hardware import bf16_support, cpu_info
 
     info = cpu_info()
     info["native_bf16"] = bf16_support("cpu").native

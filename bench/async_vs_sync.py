@@ -23,8 +23,8 @@ from pathlib import Path
 
 import _common
 
-from relayrl.plot import plot_run
-from relayrl.utils import read_jsonl
+from relayrl.common.utils import read_jsonl
+from relayrl.tracking.plot import plot_run
 
 VARIANTS = {
     "sync": [],

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import _common
 
+from relayrl.common.utils import read_jsonl
 from relayrl.config.schema import PRESETS
-from relayrl.plot import plot_run
-from relayrl.utils import read_jsonl
+from relayrl.tracking.plot import plot_run
 
 QUICK = ["model.autocast_bf16=false", "engine.dtype=float32", "data.batch_size=2", "data.group_size=4",
          "data.train.size=8", "sampling.max_new_tokens=12", "eval.size=2", "eval.n=1", "eval.every=0",

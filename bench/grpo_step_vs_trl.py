@@ -76,9 +76,9 @@ def prompts_sha(questions) -> str:
 
 # ---- relayrl side ------------------------------------------------------------------------------------------
 def run_relayrl(a, tmp: str) -> dict:
-    from relayrl.build import build
     from relayrl.config.schema import load_run_config
-    from relayrl.evaluator import rollout_metrics
+    from relayrl.run.build import build
+    from relayrl.run.evaluator import rollout_metrics
 
     d = dataset_cfg(a)
     # precision as the example chooses it (engine.dtype auto: bf16 only where native; the trainer follows);
@@ -94,7 +94,7 @@ def run_relayrl(a, tmp: str) -> dict:
     c = build(load_run_config(None, overrides))
     steps = []
     try:
-        for _ in range(a.steps + 1):  # timed exactly as relayrl.loop.train_colocated times a step
+        for _ in range(a.steps + 1):  # timed exactly as relayrl.run.loop.train_colocated times a step
             sync0, version0 = c.rollout_ctl.stats["weight_update_s"], c.train_ctl.version
             t0 = time.perf_counter()
             m = c.env.produce_batch(c.data, a.prompts)

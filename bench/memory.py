@@ -2,7 +2,7 @@
 """Peak memory of the README's main job, part by part, and TRL GRPOTrainer's on the same settings.
 
 relayrl side: the run is built from examples/arithmetic_grpo.yaml (the README job) and stepped exactly as
-relayrl.loop.train_colocated steps it, while a thread samples this process's RSS every 5 ms and keeps the peak
+relayrl.run.loop.train_colocated steps it, while a thread samples this process's RSS every 5 ms and keeps the peak
 of each phase (build, rollout, train, weight sync). The parts are counted from the objects themselves:
 trainer weights, gradients and AdamW state (fp32: 4 + 4 + 8 bytes/param, the 16 bytes/param floor), the
 engine's own weights (0 when it shares the trainer's), its KV cache at the end of a rollout, the LM-head
@@ -113,12 +113,12 @@ def run_relayrl(a) -> dict:
     sampler = PhaseSampler()
     import torch
 
-    import relayrl.loop  # noqa: F401  - everything the CLI imports, before the runtime figure is taken
-    from relayrl.build import build
+    import relayrl.run.loop  # noqa: F401  - everything the CLI imports, before the runtime figure is taken
+    from relayrl.common.utils import trim_memory
     from relayrl.config.schema import load_run_config
-    from relayrl.evaluator import rollout_metrics
+    from relayrl.run.build import build
+    from relayrl.run.evaluator import rollout_metrics
     from relayrl.trainer.logprobs import CHUNK_BYTES
-    from relayrl.utils import trim_memory
 
     runtime = max(runtime, rss_bytes())
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:

@@ -118,7 +118,7 @@ def run_hf(a, ids, eos, path) -> dict:
 
 def run_vllm(a, ids, eos, path) -> dict:
     from relayrl.engine import RemoteEngine, SamplingParams
-    from relayrl.launcher import vllm_server
+    from relayrl.run.launcher import vllm_server
 
     log = Path(tempfile.mkdtemp(prefix="vllm-bench-")) / "server.log"
     server = vllm_server(a.vllm_python, path, log, max_model_len=1024).start()

@@ -3,13 +3,13 @@
 
 Sizes: SmolLM2-135M, SmolLM2-360M, Qwen2.5-0.5B and Qwen2.5-1.5B, built from their published configs (written
 out below, no weights: random init, so nothing is downloaded). Each run is its own subprocess, so its peak RSS
-(getrusage ru_maxrss) is its own, and is stepped the way relayrl.loop.train_colocated steps a run:
+(getrusage ru_maxrss) is its own, and is stepped the way relayrl.run.loop.train_colocated steps a run:
 
 - the run config is relayrl's defaults (relayrl.config.schema) with the model folder and the shape overridden,
-  precision resolved by relayrl.build.resolve_precision (engine.dtype auto -> bf16 where native, trainer fp32
-  master weights with bf16 autocast iff the engine is bf16), the trainer built by relayrl.build._train_controller
-  (TrainEngine + fused AdamW) and the engine by relayrl.build.make_engines (a LocalEngine on its own copy, or on
-  the trainer's model when relayrl.build.shares_weights says so). Only relayrl.models.load_model is replaced:
+  precision resolved by relayrl.run.build.resolve_precision (engine.dtype auto -> bf16 where native, trainer fp32
+  master weights with bf16 autocast iff the engine is bf16), the trainer built by relayrl.run.build._train_controller
+  (TrainEngine + fused AdamW) and the engine by relayrl.run.build.make_engines (a LocalEngine on its own copy, or on
+  the trainer's model when relayrl.run.build.shares_weights says so). Only relayrl.models.load_model is replaced:
   it builds the model from config.json with random weights instead of reading safetensors;
 - rollout: the LocalEngine generates prompts x group samples of exactly NEW_TOKENS tokens (ignore_eos) from
   random PROMPT_LEN-token prompts; the samples get random 0/1 rewards;
@@ -204,9 +204,9 @@ def _random_load_model(path, dtype="float32"):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from relayrl.models import _DTYPES
+    from relayrl.models import DTYPES
 
-    dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
@@ -230,18 +230,18 @@ def run_child(spec: dict) -> dict:
     import torch
     from transformers import AutoConfig
 
-    import relayrl.build
     import relayrl.models
-    from relayrl.build import _train_controller, make_engines, resolve_precision, shares_weights
+    import relayrl.run.build
+    from relayrl.common.utils import release_openmp_threads
     from relayrl.config.schema import load_run_config
     from relayrl.engine.base import SamplingParams
-    from relayrl.rollout import RolloutController
+    from relayrl.engine.rollout import RolloutController
+    from relayrl.run.build import _train_controller, make_engines, resolve_precision, shares_weights
     from relayrl.sample import Sample
     from relayrl.trainer.logprobs import CHUNK_BYTES
-    from relayrl.utils import release_openmp_threads
 
     runtime = max(runtime0, rss_bytes())
-    relayrl.models.load_model = relayrl.build.load_model = _random_load_model  # random weights, real classes
+    relayrl.models.load_model = relayrl.run.build.load_model = _random_load_model  # random weights, real classes
     trim = malloc_trim if spec.get("malloc_trim") else (lambda: None)
     shape = spec["shape"]
     with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:
@@ -251,7 +251,7 @@ def run_child(spec: dict) -> dict:
                 f"data.group_size={max(2, shape['group'])}", f"data.batch_size={shape['prompts']}",
                 f"run.output_dir={tmp}", *spec["overrides"]]
         cfg = resolve_precision(load_run_config(None, over))
-        if cfg.run.threads:  # as relayrl.build.build does
+        if cfg.run.threads:  # as relayrl.run.build.build does
             torch.set_num_threads(cfg.run.threads)
         sampler.phase = "build"
         t0 = time.perf_counter()
@@ -406,8 +406,8 @@ def make_spec(a, hf_config: dict, shape: dict, overrides: list[str], **extra) ->
 
 def run_config(a, overrides: list[str]):
     """The resolved relayrl config a run will use (for the estimate: micro-batch size, checkpointing)."""
-    from relayrl.build import resolve_precision
     from relayrl.config.schema import load_run_config
+    from relayrl.run.build import resolve_precision
 
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "config.json").write_text("{}")

@@ -18,8 +18,8 @@ from typing import Any
 
 from relayrl.agents import AGENTS
 from relayrl.config.schema import Config, load_run_config
-from relayrl.loop import evaluate as _evaluate
-from relayrl.loop import train as _train
+from relayrl.run.loop import evaluate as _evaluate
+from relayrl.run.loop import train as _train
 
 
 def load_config(path: str | None = None, overrides: Mapping[str, Any] | Sequence[str] = ()) -> Config:

@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
+from relayrl.common.utils import InputError
 from relayrl.config import ConfigError
-from relayrl.utils import InputError
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -26,12 +26,12 @@ def _train(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
     if cfg.launcher == "ray":  # every process of the run in a Ray actor, trainer ranks included
-        from relayrl.ray_launch import train_on_ray as train
+        from relayrl.run.ray_launch import train_on_ray as train
     elif cfg.train.engine == "fsdp" and "RANK" not in os.environ:
         return _torchrun(cfg.train.world_size, ["train", *([f"--config={args.config}"] if args.config else []),
                                                 *args.overrides])
     else:
-        from relayrl.loop import train
+        from relayrl.run.loop import train
 
     final = train(cfg)
     if final:
@@ -53,9 +53,9 @@ def _torchrun(world_size: int, argv: list[str]) -> int:
 def _eval(args: argparse.Namespace) -> int:
     import json
 
+    from relayrl.common.utils import atomic_write_text
     from relayrl.config.schema import load_run_config
-    from relayrl.loop import evaluate
-    from relayrl.utils import atomic_write_text
+    from relayrl.run.loop import evaluate
 
     extra = [f"model.path={args.model}"] if args.model else []
     cfg = load_run_config(args.config, [*args.overrides, *extra])
@@ -70,7 +70,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from relayrl.trajectories import show
+    from relayrl.tracking.trajectories import show
 
     colour = sys.stdout.isatty() and not args.no_color
     print(show(args.run_dir, args.version, args.limit, args.only, colour=colour), end="")
@@ -78,7 +78,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from relayrl.plot import plot_run
+    from relayrl.tracking.plot import plot_run
 
     out = args.out or f"{args.run_dirs[0].rstrip('/')}/reward.png"
     print(plot_run(args.run_dirs, out))

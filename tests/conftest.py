@@ -38,7 +38,7 @@ def write_sums(path: Path, n: int) -> str:
 def relayrl_servers(model_path: str, logs: Path, n: int = 2, weights_root: Path | None = None):
     """n real `relayrl serve` subprocesses of a model (fp32, small batches), healthy, stopped on exit; they load
     weights from disk only from under `weights_root` (none: not at all)."""
-    from relayrl.launcher import relayrl_server
+    from relayrl.run.launcher import relayrl_server
 
     servers = [relayrl_server(model_path, logs / f"s{i}.log", dtype="float32", max_batch_size=8,
                               weights_root=weights_root).start() for i in range(n)]

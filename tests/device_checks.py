@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 from conftest import write_sums
 
-from relayrl.build import build
 from relayrl.config.schema import AlgoConfig, TrainConfig, load_run_config
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
-from relayrl.loop import train_colocated
+from relayrl.engine.rollout import RolloutController
 from relayrl.models import load_model
-from relayrl.rollout import RolloutController
+from relayrl.run.build import build
+from relayrl.run.loop import train_colocated
 from relayrl.sample import Sample
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine

@@ -17,15 +17,15 @@ from conftest import TESTS, write_sums
 from engines_for_tests import HaltingEngine
 from sandbox_helpers import UNAVAILABLE
 
-from relayrl.build import build
+from relayrl.common.utils import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.engine.base import SamplingParams
-from relayrl.loop import train_async, train_colocated
+from relayrl.engine.rollout import RolloutController
 from relayrl.models import load_model
-from relayrl.rollout import RolloutController
+from relayrl.run.build import build
+from relayrl.run.loop import train_async, train_colocated
+from relayrl.tracking.trajectories import load_trajectories
 from relayrl.trainer.algo import LossInputs, behav_weights, policy_loss
-from relayrl.trajectories import load_trajectories
-from relayrl.utils import read_jsonl
 
 
 @pytest.fixture

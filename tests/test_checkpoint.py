@@ -16,14 +16,14 @@ import torch
 from conftest import TESTS, write_sums
 from transformers import AutoModelForCausalLM
 
-from relayrl import checkpoint
-from relayrl.build import build
+from relayrl.common.utils import read_jsonl
 from relayrl.config import ConfigError
 from relayrl.config.schema import load_run_config
 from relayrl.data import DataManager
-from relayrl.loop import train_async, train_colocated
-from relayrl.trajectories import load_trajectories
-from relayrl.utils import read_jsonl
+from relayrl.run import checkpoint
+from relayrl.run.build import build
+from relayrl.run.loop import train_async, train_colocated
+from relayrl.tracking.trajectories import load_trajectories
 
 
 @pytest.fixture

@@ -12,17 +12,17 @@ import yaml
 from test_loop import dataset, overrides  # noqa: F401  (fixtures and the run helper)
 from test_trainer import rollout
 
-from relayrl.build import build
+from relayrl.common.utils import read_jsonl
 from relayrl.config.schema import AlgoConfig, TrainConfig, load_run_config
-from relayrl.loop import train_colocated
 from relayrl.models import load_model
+from relayrl.run.build import build
+from relayrl.run.loop import train_colocated
 from relayrl.trainer.algo import discounted_cumsum, explained_variance, gae, value_loss
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
 from relayrl.trainer.packer import Packer
 from relayrl.trainer.schedule import LRSchedule, lr_factor
 from relayrl.trainer.value import Critic
-from relayrl.utils import read_jsonl
 
 
 # ---- GAE ----------------------------------------------------------------------------------------------------

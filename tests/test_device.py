@@ -1,5 +1,5 @@
-"""The device notion on the CPU: run.device, relayrl.device, and tests/device_checks.py's engine and trainer checks
-(the ones tests/test_gpu.py runs on CUDA) with every device-aware path pointed at the CPU."""
+"""The device notion on the CPU: run.device, relayrl.common.device and the engine and trainer checks of
+tests/device_checks.py (the ones tests/test_gpu.py runs on CUDA) with every device-aware path pointed at the CPU."""
 
 import logging
 
@@ -13,9 +13,9 @@ from device_checks import (
     check_weight_sync,
 )
 
+from relayrl.common.device import resolve_device
 from relayrl.config.loader import ConfigError
 from relayrl.config.schema import load_run_config
-from relayrl.device import resolve_device
 from relayrl.engine import attention
 from relayrl.engine.local import LocalEngine
 from relayrl.models import load_model

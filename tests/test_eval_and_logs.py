@@ -6,13 +6,13 @@ import os
 import pytest
 
 from relayrl.cli import main
+from relayrl.common.utils import read_jsonl
 from relayrl.config.schema import load_run_config
-from relayrl.evaluator import Evaluator, majority_correct, pass_at_k
-from relayrl.loop import train
 from relayrl.models import load_model
+from relayrl.run.evaluator import Evaluator, majority_correct, pass_at_k
+from relayrl.run.loop import train
 from relayrl.sample import Sample
-from relayrl.trajectories import load_trajectories, render, show
-from relayrl.utils import read_jsonl
+from relayrl.tracking.trajectories import load_trajectories, render, show
 
 TESTS = os.path.dirname(__file__)
 

@@ -16,11 +16,11 @@ from test_checkpoint import PPO, args_for, batches, train_rows
 from test_fsdp_loop import run
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from relayrl import checkpoint
-from relayrl.checkpoint_dist import SHARDS
 from relayrl.config import ConfigError
 from relayrl.config.schema import load_run_config
 from relayrl.models import load_model
+from relayrl.run import checkpoint
+from relayrl.run.checkpoint_dist import SHARDS
 
 FSDP2 = ("train.engine=fsdp", "train.world_size=2")
 # PPO: the critic and LR schedule (replicated on every rank) are restored beside the sharded policy and optimizer

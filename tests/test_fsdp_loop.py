@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import TESTS, write_sums
 
+from relayrl.common.utils import read_jsonl
 from relayrl.models import load_model
-from relayrl.utils import read_jsonl
 
 
 def run(tiny_path, data, out, name, *extra) -> subprocess.CompletedProcess:

@@ -5,11 +5,11 @@ import os
 import subprocess
 import sys
 
-from relayrl import hardware
-from relayrl.build import resolve_precision
+from relayrl.common import hardware
 from relayrl.config.schema import load_run_config
+from relayrl.run.build import resolve_precision
 
-PROBE = "from relayrl.hardware import resolve_dtype; print(resolve_dtype('auto')[0])"
+PROBE = "from relayrl.common.hardware import resolve_dtype; print(resolve_dtype('auto')[0])"
 
 
 def _probe(tmp_path, **env) -> str:

@@ -9,12 +9,12 @@ import pytest
 from conftest import TESTS, write_sums
 from sandbox_helpers import UNAVAILABLE
 
-from relayrl.build import build
 from relayrl.cli import main
+from relayrl.common.utils import read_jsonl
 from relayrl.config.schema import load_run_config
-from relayrl.loop import train, train_colocated
-from relayrl.plot import plot_run
-from relayrl.utils import read_jsonl
+from relayrl.run.build import build
+from relayrl.run.loop import train, train_colocated
+from relayrl.tracking.plot import plot_run
 
 
 @pytest.fixture

@@ -18,19 +18,19 @@ from test_separate import run_separate
 from transformers import AutoModelForCausalLM
 
 from relayrl.cli import main
+from relayrl.common.utils import read_jsonl
 from relayrl.config import ConfigError
 from relayrl.config.schema import AlgoConfig, ModelConfig, TrainConfig
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
+from relayrl.engine.rollout import RolloutController
 from relayrl.models import load_model, load_tokenizer
-from relayrl.rollout import RolloutController
 from relayrl.sample import Sample
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
 from relayrl.trainer.lora import BaseReference, adapter_template, is_adapter_name, merged_state_dict, targeted
 from relayrl.trainer.packer import Packer
-from relayrl.transport import DiskReceiver, DiskSender
-from relayrl.utils import read_jsonl
+from relayrl.weights.transport import DiskReceiver, DiskSender
 
 PROMPTS = [[5, 6, 7, 8, 9], [20, 21], [30] * 11, [40, 41, 42]]
 N_LAYERS, N_TARGETS = 2, 7  # the tiny model: 2 layers x q/k/v/o/gate/up/down
@@ -158,7 +158,7 @@ def test_kl_reference_is_exactly_the_base_model(tiny_path):
 
 
 def test_save_model_writes_the_merged_policy_as_a_plain_folder(tiny_path, tmp_path):
-    from relayrl.build import Components
+    from relayrl.run.build import Components
 
     ctl = controller(tiny_path)
     with contextlib.closing(engine_for(tiny_path)) as eng:

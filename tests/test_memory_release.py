@@ -5,12 +5,12 @@ import pytest
 import torch
 from conftest import write_sums
 
-from relayrl.build import build, shares_weights
 from relayrl.config.schema import load_run_config
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
-from relayrl.loop import train_colocated
 from relayrl.models import load_model
+from relayrl.run.build import build, shares_weights
+from relayrl.run.loop import train_colocated
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
 

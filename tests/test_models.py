@@ -14,9 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from relayrl import models
 from relayrl.models import (
-    MARKER,
     build_tiny_model,
     cache_dir,
     eos_token_ids,
@@ -26,6 +24,7 @@ from relayrl.models import (
     resolve_model_path,
     tiny_model,
 )
+from relayrl.models.store import MARKER, atomic_build
 
 ARCHS = ["qwen2", "llama"]
 TEXTS = [
@@ -199,7 +198,7 @@ def test_failed_build_leaves_nothing(tmp_path):
         raise RuntimeError("killed half way")
 
     with pytest.raises(RuntimeError, match="half way"):
-        models._atomic_build(tmp_path / "m", broken)
+        atomic_build(tmp_path / "m", broken)
     assert list(tmp_path.iterdir()) == []
 
 

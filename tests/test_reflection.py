@@ -11,9 +11,9 @@ from relayrl.agents.reflection import ReflectionAgent, shaped, turn_returns
 from relayrl.config.schema import AlgoConfig, TrainConfig
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
+from relayrl.engine.rollout import RolloutController
 from relayrl.judge import Judge
 from relayrl.models import eos_token_ids, load_model, load_tokenizer
-from relayrl.rollout import RolloutController
 from relayrl.sample import NO_VERSION, Sample
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine

@@ -14,15 +14,15 @@ import pytest
 import torch
 from conftest import relayrl_servers, write_sums
 
-from relayrl.build import build
+from relayrl.common.utils import read_jsonl
 from relayrl.config.loader import ConfigError
 from relayrl.config.schema import load_run_config
 from relayrl.engine import EngineUnavailable, LocalEngine, RemoteEngine, SamplingParams
-from relayrl.launcher import ManagedServer, free_port, relayrl_server
-from relayrl.loop import train_colocated
+from relayrl.engine.rollout import RolloutController
 from relayrl.models import eos_token_ids, load_model, load_tokenizer
-from relayrl.rollout import RolloutController
-from relayrl.utils import read_jsonl
+from relayrl.run.build import build
+from relayrl.run.launcher import ManagedServer, free_port, relayrl_server
+from relayrl.run.loop import train_colocated
 
 
 def greedy(n: int) -> SamplingParams:

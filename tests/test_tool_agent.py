@@ -10,8 +10,8 @@ from relayrl.agents.chat import continuation_ids
 from relayrl.agents.tool import ToolAgent, parse_tool_calls
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
+from relayrl.engine.rollout import RolloutController
 from relayrl.models import eos_token_ids, load_model, load_tokenizer
-from relayrl.rollout import RolloutController
 from relayrl.sample import NO_VERSION, Sample
 
 

@@ -9,8 +9,8 @@ import torch
 from relayrl.config.schema import AlgoConfig, TrainConfig
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
+from relayrl.engine.rollout import RolloutController
 from relayrl.models import load_model
-from relayrl.rollout import RolloutController
 from relayrl.sample import Sample
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine

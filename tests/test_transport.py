@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from relayrl.transport import DiskReceiver, DiskSender, DistReceiver, DistSender
+from relayrl.weights.transport import DiskReceiver, DiskSender, DistReceiver, DistSender
 
 
 def named(seed: int):

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 from test_checkpoint import args_for, train_rows
 
-from relayrl import checkpoint
-from relayrl.build import build
+from relayrl.common.utils import read_jsonl
 from relayrl.config import ConfigError
 from relayrl.config.schema import load_run_config
 from relayrl.judge import WorkerCrashed
-from relayrl.loop import train_colocated
-from relayrl.trajectories import load_trajectories
-from relayrl.utils import read_jsonl
+from relayrl.run import checkpoint
+from relayrl.run.build import build
+from relayrl.run.loop import train_colocated
+from relayrl.tracking.trajectories import load_trajectories
 
 TAGS = {0: " NAN", 1: " HUGE", 3: " SOLO"}
 

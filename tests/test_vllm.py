@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from relayrl.build import build
+from relayrl.common.utils import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.engine import LocalEngine, RemoteEngine, SamplingParams
-from relayrl.launcher import vllm_server
-from relayrl.loop import train_colocated
 from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path
-from relayrl.utils import read_jsonl
+from relayrl.run.build import build
+from relayrl.run.launcher import vllm_server
+from relayrl.run.loop import train_colocated
 
 VLLM_PYTHON = str(Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python")
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not os.path.exists(VLLM_PYTHON),

@@ -18,16 +18,16 @@ import pytest
 import torch
 from conftest import relayrl_servers, write_sums
 
-from relayrl.build import build
+from relayrl.common.utils import read_jsonl
 from relayrl.config.loader import ConfigError
 from relayrl.config.schema import load_run_config
 from relayrl.engine import LocalEngine, RemoteEngine, SamplingParams
-from relayrl.launcher import free_port, relayrl_server
-from relayrl.loop import train_colocated
+from relayrl.engine.rollout import RolloutController
 from relayrl.models import load_model
-from relayrl.rollout import RolloutController
-from relayrl.utils import read_jsonl
-from relayrl.weight_group import WeightGroup, WeightSyncError
+from relayrl.run.build import build
+from relayrl.run.launcher import free_port, relayrl_server
+from relayrl.run.loop import train_colocated
+from relayrl.weights.weight_group import WeightGroup, WeightSyncError
 
 PROMPT = [5, 6, 7]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from relayrl.engine.base import SamplingParams
+from relayrl.engine.rollout import RolloutController
 from relayrl.judge import Judge
-from relayrl.rollout import RolloutController
 from relayrl.sample import Sample
 
 

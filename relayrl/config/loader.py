@@ -28,7 +28,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
-from relayrl.utils import atomic_write_text
+from relayrl.common.utils import atomic_write_text
 
 T = TypeVar("T")
 PresetsHook = Callable[[dict[str, Any]], Mapping[str, Any]]

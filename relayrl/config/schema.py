@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from relayrl.common.device import DEVICE_SETTINGS, valid_device_setting
 from relayrl.config.loader import check, fill_missing, load_config
 from relayrl.config.rules import check_rules
-from relayrl.device import DEVICE_SETTINGS, valid_device_setting
 
 
 def _get_int(data: dict[str, Any], section: str, key: str, default: int) -> int | None:
@@ -109,7 +109,7 @@ class ModelConfig:
 @dataclass
 class EngineConfig:
     kind: Literal["local", "remote"] = "local"  # remote: inference servers over HTTP (RemoteEngine)
-    # auto: bfloat16 where bf16 matmuls are native, else float32 (relayrl.hardware; the choice is logged at start)
+    # auto: bfloat16 where bf16 matmuls are native, else float32 (relayrl.common.hardware; logged at start)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_batch_size: int = 64  # sequences decoded together
     max_seq_len: int | None = None  # default: the model's max_position_embeddings

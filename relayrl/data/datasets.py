@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from relayrl.common.utils import InputError, import_from_path
 from relayrl.config.loader import decode_utf8
 from relayrl.config.schema import DatasetConfig, PromptConfig
-from relayrl.utils import InputError, import_from_path
 
 GSM8K_ENV = "RELAYRL_GSM8K_DIR"
 

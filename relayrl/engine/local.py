@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from relayrl.device import model_device
+from relayrl.common.device import model_device
+from relayrl.common.utils import release_openmp_threads
 from relayrl.engine.base import GenOutput, SamplingParams
 from relayrl.engine.kv_cache import SlotKVCache
 from relayrl.engine.sampling import sample_tokens
 from relayrl.trainer.lora import is_adapter_name, merge_into
-from relayrl.utils import release_openmp_threads
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class LocalEngine:
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str = "bfloat16", device: str | torch.device = "cpu",
                         **kwargs) -> LocalEngine:
-        """`device`: auto, cpu, cuda or cuda:N (relayrl.device.resolve_device)."""
+        """`device`: auto, cpu, cuda or cuda:N (relayrl.common.device.resolve_device)."""
         from relayrl.models import eos_token_ids, load_model, load_tokenizer
 
         model = load_model(path, dtype=dtype, device=device)

@@ -17,7 +17,7 @@ request, which makes `relayrl serve` drop the generation.
 Weights reach the server from disk (`weight_sync="disk"`: a versioned safetensors folder, then
 /update_weights_from_disk) or by broadcast (`"distributed"`, sglang dialect only: SGLang's
 /init_weights_update_group + /update_weights_from_distributed over a torch process group in which the
-trainer is rank 0; `relayrl.weight_group.DistributedSync`, shared by the engines of one run).
+trainer is rank 0; `relayrl.weights.weight_group.DistributedSync`, shared by the engines of one run).
 
 Failures: connection errors, timeouts and HTTP 5xx are retried with exponential backoff; 4xx raise at once with
 the server's message (`RemoteRequestError`); when retries run out `EngineUnavailable` names the address and the
@@ -41,7 +41,7 @@ import httpx
 import torch
 
 from relayrl.engine.base import GenOutput, SamplingParams
-from relayrl.weight_group import BACKENDS, DistributedSync
+from relayrl.weights.weight_group import BACKENDS, DistributedSync
 
 _RETRYABLE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 _CONTROL_TIMEOUT = 30.0  # pause / abort / health: short calls that must not hang a trainer step
@@ -273,7 +273,7 @@ class RemoteEngine:
         self._remove_old_weights(previous)
 
     def _write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> Path:
-        from relayrl.transport import save_weights_version
+        from relayrl.weights.transport import save_weights_version
 
         key = (str(self.weights_dir.resolve()), version)
         with RemoteEngine._written_lock:

@@ -29,9 +29,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from relayrl.common.utils import import_from_path
 from relayrl.judge.pool import RemoteError, TimeoutPool, WorkerCrashed
 from relayrl.sample import Sample
-from relayrl.utils import import_from_path
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ import weakref
 from collections import deque
 from typing import Any
 
-from relayrl.utils import import_from_path
+from relayrl.common.utils import import_from_path
 
 
 class RemoteError(Exception):

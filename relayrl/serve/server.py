@@ -43,8 +43,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from relayrl.agents.tool import parse_tool_calls, tools_system_prompt
+from relayrl.common.hardware import resolve_dtype
 from relayrl.engine.base import GenOutput, SamplingParams
-from relayrl.hardware import resolve_dtype
 from relayrl.serve import openai_params
 from relayrl.serve.limits import ServerLimits
 from relayrl.serve.native import ServerState, health, native_router

@@ -33,7 +33,7 @@ from relayrl.serve.errors import BadRequest, log_error
 from relayrl.serve.limits import number
 from relayrl.serve.native import ServerState
 from relayrl.serve.weights_disk import weight_version
-from relayrl.weight_group import DEFAULT_GROUP, WeightGroup, on_daemon_thread, parse_dtype
+from relayrl.weights.weight_group import DEFAULT_GROUP, WeightGroup, on_daemon_thread, parse_dtype
 
 DEFAULT_TIMEOUT = 600.0
 Route = Callable[[Request, Any], Awaitable[Any]]

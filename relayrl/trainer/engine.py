@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from relayrl.device import model_device
+from relayrl.common.device import model_device
 from relayrl.trainer.algo import reduce_stats
 from relayrl.trainer.logprobs import token_logprobs
 from relayrl.trainer.lora import adapter_tensors, is_lora
@@ -54,7 +54,7 @@ class TrainEngine:
                         **kwargs) -> TrainEngine:
         """`lora`: settings with lora_rank > 0 (ModelConfig) wrap the model with peft, so that only the
         adapters are trainable and in the optimizer (relayrl.trainer.lora). `device`: where the model loads
-        (relayrl.device.resolve_device; None: the CPU)."""
+        (relayrl.common.device.resolve_device; None: the CPU)."""
         from relayrl.models import load_model
 
         model = load_model(path, dtype=dtype, device=device)

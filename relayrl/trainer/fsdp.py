@@ -20,12 +20,12 @@ collective); ranks other than 0 get nothing by default, so followers run
 `for _ in engine.named_parameters(): pass` once per pass that rank 0 makes (one per rollout engine).
 
 Plugging in: `relayrl train ... train.engine=fsdp train.world_size=N` starts N processes with torchrun
-(relayrl.cli), rank 0 builds the whole run and the other ranks only their trainer shard (relayrl.build), and
+(relayrl.cli), rank 0 builds the whole run and the other ranks only their trainer shard (relayrl.run.build), and
 relayrl.trainer.leader keeps their trainer calls in step. Under a torchrun of the user's own (several
 machines) relayrl starts nothing and joins it. Parameters are DTensors: a final model is saved from
 `dict(engine.named_parameters())` (Components.save_model does), not with `engine.model.save_pretrained`;
 `engine.optimizer.state_dict()` holds only this rank's shard, so checkpoints save the trainer with
-torch.distributed.checkpoint, every rank its shard (relayrl.checkpoint_dist; `sharded` selects that path).
+torch.distributed.checkpoint, every rank its shard (relayrl.run.checkpoint_dist; `sharded` selects that path).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class _TrainedPositions(torch.nn.Module):
 
 
 class FSDPEngine(TrainEngine):
-    sharded = True  # relayrl.checkpoint: weights and optimizer state are saved per rank (checkpoint_dist)
+    sharded = True  # relayrl.run.checkpoint: weights and optimizer state are saved per rank (checkpoint_dist)
 
     def __init__(self, model: torch.nn.Module, *, mixed_precision: bool = False,
                  gradient_checkpointing: bool = False, **kwargs):

@@ -3,7 +3,7 @@
 With `train.engine=fsdp` the trainer runs on N processes (torchrun). Only rank 0 runs the RL loop (engines,
 agents, judge, logs); the other ranks hold their FSDP shards and do what rank 0 does to the trainer, in the
 same order, because every FSDP call is a collective: fit the same batch, gather the full weights for a sync or
-an export, write or load a checkpoint's shards (relayrl.checkpoint_dist). Rank 0's `LeaderController`
+an export, write or load a checkpoint's shards (relayrl.run.checkpoint_dist). Rank 0's `LeaderController`
 broadcasts each such command before running it; `follow()` is the other ranks' whole program. The loop code is
 unchanged: it talks to a LeaderController as to a TrainController.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relayrl.checkpoint_dist import load_shards, save_shards
+from relayrl.run.checkpoint_dist import load_shards, save_shards
 from relayrl.trainer.controller import TrainController
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from relayrl.device import model_device
+from relayrl.common.device import model_device
 from relayrl.trainer.algo import reduce_stats
 from relayrl.trainer.engine import clip_and_step
 from relayrl.trainer.packer import MicroBatch

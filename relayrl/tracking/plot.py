@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from relayrl.utils import read_jsonl
+from relayrl.common.utils import read_jsonl
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:

@@ -12,7 +12,7 @@ of which tensor each file holds, so a checkpoint loads into any number of ranks 
                       trains the same copy), without the policy optimizer
     model/            the full policy as a plain HF folder (gathered one parameter at a time), as with one process
 
-Everything else (data position, RNG states, logs, config, manifest) is rank 0's, written by relayrl.checkpoint
+Everything else (data position, RNG states, logs, config, manifest) is rank 0's, written by relayrl.run.checkpoint
 as for one process; the manifest comes last and records `world_size`. Rank 0 tells the other ranks to
 save or load through relayrl.trainer.leader, since every call here is a collective.
 """
@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 if TYPE_CHECKING:
-    from relayrl.build import Components
+    from relayrl.run.build import Components
     from relayrl.trainer.controller import TrainController
 
 SHARDS = "trainer_shards"
@@ -66,7 +66,7 @@ def load_shards(ctl: TrainController, folder: Path) -> None:
     dist.barrier()
 
 
-# ---- rank 0: relayrl.checkpoint's save and restore call these ----------------------------------------------
+# ---- rank 0: relayrl.run.checkpoint's save and restore call these ----------------------------------------------
 def write_trainer(c: Components, folder: Path) -> dict:
     """Write the trainer part of a checkpoint (every rank its shard; rank 0 the rest) into `folder`.
     Returns what the manifest records about it."""

@@ -210,7 +210,7 @@ class DistributedSync:
             self._round = (version, set(range(len(self.members))) - {me})
 
     def _form_group(self) -> None:
-        from relayrl.launcher import free_port
+        from relayrl.run.launcher import free_port
 
         backend = resolve_backend(self.backend)
         host = urlsplit(self.members[0].address).hostname or "127.0.0.1"

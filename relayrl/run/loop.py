@@ -12,12 +12,12 @@ import time
 
 from tqdm import tqdm
 
-from relayrl import checkpoint
-from relayrl.build import Components, build
+from relayrl.common.utils import trim_memory
 from relayrl.config.schema import Config
-from relayrl.evaluator import rollout_metrics
+from relayrl.run import checkpoint
+from relayrl.run.build import Components, build
+from relayrl.run.evaluator import rollout_metrics
 from relayrl.sample import Sample
-from relayrl.utils import trim_memory
 
 
 def train_colocated(c: Components) -> dict[str, float]:
@@ -105,8 +105,8 @@ def train(cfg: Config) -> dict[str, float]:
 def _train_data_parallel(cfg: Config) -> dict[str, float]:
     """train.engine=fsdp, one process per rank (torchrun): rank 0 runs the loop above with a LeaderController,
     the other ranks follow its trainer calls (relayrl/trainer/leader.py)."""
-    from relayrl.build import build_follower
-    from relayrl.device import resolve_device
+    from relayrl.common.device import resolve_device
+    from relayrl.run.build import build_follower
     from relayrl.trainer.fsdp import init_distributed, shutdown_distributed
     from relayrl.trainer.leader import follow, lead, stop_followers
 

@@ -18,30 +18,30 @@ from pathlib import Path
 
 import torch
 
-from relayrl import checkpoint
 from relayrl.agents import AGENTS, Agent
+from relayrl.common.device import resolve_device
+from relayrl.common.hardware import resolve_dtype
+from relayrl.common.utils import check_writable, import_from_path, trim_memory, tune_allocator
 from relayrl.config import ConfigError, dump_yaml
 from relayrl.config.schema import Config
 from relayrl.data import DataManager, PromptBuilder, load_rows
-from relayrl.device import resolve_device
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.engine.remote import RemoteEngine
-from relayrl.env import Env
-from relayrl.evaluator import Evaluator
-from relayrl.hardware import resolve_dtype
+from relayrl.engine.rollout import RolloutController
 from relayrl.judge import Judge, reward_kwargs_problem
-from relayrl.launcher import ManagedServer, free_port, make_server
-from relayrl.metrics import MetricsLogger
 from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path, save_pretrained_atomic
-from relayrl.producer import ProducerHandle
-from relayrl.ray_launch import ray_placement, rendezvous_host
-from relayrl.rollout import RolloutController
+from relayrl.run import checkpoint
+from relayrl.run.env import Env
+from relayrl.run.evaluator import Evaluator
+from relayrl.run.launcher import ManagedServer, free_port, make_server
+from relayrl.run.producer import ProducerHandle
+from relayrl.run.ray_launch import ray_placement, rendezvous_host
 from relayrl.scheduler import AsyncScheduler, SyncScheduler, group_filter
+from relayrl.tracking.metrics import MetricsLogger
+from relayrl.tracking.trajectories import TrajectoryLogger
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
-from relayrl.trajectories import TrajectoryLogger
-from relayrl.utils import check_writable, import_from_path, trim_memory, tune_allocator
 
 
 @dataclass
@@ -238,7 +238,7 @@ def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) 
 
 
 def resolve_precision(cfg: Config, quiet: bool = False) -> Config:
-    """engine.dtype "auto" -> what this machine runs natively (relayrl.hardware); model.autocast_bf16 "auto" ->
+    """engine.dtype "auto" -> what this machine runs natively (relayrl.common.hardware); model.autocast_bf16 "auto" ->
     the engine's precision (bf16 autocast when the engine runs bf16), so trainer and engine logprobs agree as
     closely as they can, on the run's device (run.device). The choice and its reason are printed once; config.yaml
     records the resolved dtypes (run.device stays as set: "auto" resolves again where the run resumes)."""
@@ -465,7 +465,7 @@ def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainControl
     engine_kw = dict(temperature=cfg.sampling.temperature, autocast_bf16=cfg.model.autocast_bf16)
     optim_kw = dict(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                     gradient_checkpointing=cfg.model.gradient_checkpointing)
-    if t.engine == "fsdp":  # this process's shard; the process group is up (relayrl.loop.train)
+    if t.engine == "fsdp":  # this process's shard; the process group is up (relayrl.run.loop.train)
         from relayrl.trainer.fsdp import FSDPEngine
 
         train_engine = FSDPEngine.from_pretrained(model_path, dtype=cfg.model.train_dtype,

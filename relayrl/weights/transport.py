@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from relayrl.utils import atomic_write_text
+from relayrl.common.utils import atomic_write_text
 
 Named = Iterable[tuple[str, torch.Tensor]]
 Apply = Callable[[Named, int], None]
@@ -34,7 +34,7 @@ def save_weights_version(root: Path, named_tensors: Named, version: int) -> Path
     Tensors that share storage (tied weights) are cloned: safetensors refuses to save shared storage.
     A folder left by an earlier run under the same version is replaced: the version sent now is the truth.
     """
-    from relayrl.models import _atomic_build
+    from relayrl.models import atomic_build
 
     tensors, seen = {}, set()
     for name, t in named_tensors:
@@ -42,7 +42,7 @@ def save_weights_version(root: Path, named_tensors: Named, version: int) -> Path
         ptr = t.untyped_storage().data_ptr()
         tensors[name] = t.clone() if ptr in seen else t
         seen.add(ptr)
-    return _atomic_build(Path(root) / f"v{version}", lambda tmp: save_file(tensors, str(tmp / "model.safetensors")),
+    return atomic_build(Path(root) / f"v{version}", lambda tmp: save_file(tensors, str(tmp / "model.safetensors")),
                          force=True)
 
 
@@ -101,7 +101,7 @@ class DiskReceiver:
 class DistSender:
     """Rank 0 of a 2-process group: broadcasts [version] then every tensor, in parameter order.
 
-    The group is a private one (`relayrl.weight_group.WeightGroup`), never torch.distributed's default group:
+    The group is a private one (`relayrl.weights.weight_group.WeightGroup`), never torch.distributed's default group:
     a sender's last message must not land in another group created later in the same process."""
 
     def __init__(self, address: str, world: int = 2, dtype: torch.dtype = torch.float32):
@@ -162,7 +162,7 @@ class DistReceiver:
 
 def _group(address: str, rank: int, world: int):
     """A gloo group of its own at host:port; a peer that died leaves the other waiting at most 300 s."""
-    from relayrl.weight_group import WeightGroup
+    from relayrl.weights.weight_group import WeightGroup
 
     host, port = address.rsplit(":", 1)
     return WeightGroup(host, int(port), rank=rank, world_size=world, backend="gloo", group_name="relayrl-transport",

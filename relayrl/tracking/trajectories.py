@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from relayrl.common.utils import append_jsonl, read_jsonl
 from relayrl.sample import Sample
-from relayrl.utils import append_jsonl, read_jsonl
 
 DIM, YELLOW, GREEN, RED = "\033[2m", "\033[33m", "\033[32m", "\033[31m"
 CYAN, BOLD, RESET = "\033[36m", "\033[1m", "\033[0m"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from relayrl.utils import append_jsonl
+from relayrl.common.utils import append_jsonl
 
 # (metric key(s), column title, format) shown in the per-step console table; the first key present wins
 COLUMNS = [

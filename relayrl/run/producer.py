@@ -25,10 +25,10 @@ from pathlib import Path
 
 from relayrl.config import from_dict, to_dict
 from relayrl.config.schema import Config
-from relayrl.ray_launch import ray_placement
+from relayrl.run.ray_launch import ray_placement
 from relayrl.sample import Sample
 from relayrl.scheduler.asynchronous import take_fresh
-from relayrl.transport import DiskReceiver, DiskSender, DistReceiver, DistSender
+from relayrl.weights.transport import DiskReceiver, DiskSender, DistReceiver, DistSender
 
 
 class ProducerHandle:
@@ -117,7 +117,7 @@ def producer_main(cfg_dict: dict, run_dir: str, transport: str, dist_address: st
     try:
         import torch
 
-        from relayrl.build import build
+        from relayrl.run.build import build
 
         cfg = from_dict(Config, cfg_dict)
         torch.set_num_threads(cfg.scheduler.producer_threads)

@@ -2,7 +2,7 @@
 
 The driver (`relayrl train ... launcher=ray`) starts or joins a Ray cluster, reserves one bundle per trainer
 rank, per launched inference server and (separate placement) for the producer, and starts a `TrainerWorker`
-per rank. The workers run the same `relayrl.loop.train` as a local run; only three things change under Ray,
+per rank. The workers run the same `relayrl.run.loop.train` as a local run; only three things change under Ray,
 and they ask this module through `ray_placement()`:
 - launched servers (`build.launch_servers`) run in `ServerActor`s on their own bundles;
 - the producer of separate placement (`producer.ProducerHandle`) is a `ProducerActor` fed by Ray queues;
@@ -28,7 +28,7 @@ from typing import Any
 
 from relayrl.config import from_dict, to_dict
 from relayrl.config.schema import Config, RayConfig
-from relayrl.launcher import free_port, make_server
+from relayrl.run.launcher import free_port, make_server
 
 _PLACEMENT: RayPlacement | None = None  # set in every actor of a Ray run, None elsewhere
 
@@ -143,7 +143,7 @@ class _Actor:
 
 class TrainerWorker(_Actor):
     def run(self, cfg_dict: dict, rank: int, world_size: int, master: tuple[str, int], stop) -> dict[str, float]:
-        from relayrl.loop import train
+        from relayrl.run.loop import train
 
         cfg = from_dict(Config, cfg_dict)
         if cfg.train.engine == "fsdp":  # what torchrun would set; each actor sees only its own GPU
@@ -170,7 +170,7 @@ class ServerActor(_Actor):
 
 class ProducerActor(_Actor):
     def run(self, *args) -> None:
-        from relayrl.producer import producer_main
+        from relayrl.run.producer import producer_main
 
         producer_main(*args)
 
@@ -268,7 +268,7 @@ def _get(ref):
 
 # ---- the driver -------------------------------------------------------------------------------------------
 def train_on_ray(cfg: Config) -> dict[str, float]:
-    """Run `relayrl.loop.train` for `cfg` in Ray actors; returns rank 0's final evaluation."""
+    """Run `relayrl.run.loop.train` for `cfg` in Ray actors; returns rank 0's final evaluation."""
     ray = _ray()
     started = _connect(cfg.ray)
     pg, workers = None, []

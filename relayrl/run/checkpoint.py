@@ -13,7 +13,7 @@ A checkpoint is RUN_DIR/checkpoints/step_N/:
     manifest.json  written last, with the size and sha256 of every file above
 
 A sharded trainer (train.engine=fsdp) writes trainer_shards/ (every rank its shard of the policy and its
-optimizer) and a trainer.pt without the policy optimizer instead; relayrl.checkpoint_dist has the details,
+optimizer) and a trainer.pt without the policy optimizer instead; relayrl.run.checkpoint_dist has the details,
 and the manifest records the world size.
 
 It is built in a hidden temp folder and renamed into place, so a crash leaves either no step_N or a
@@ -48,15 +48,15 @@ from typing import TYPE_CHECKING
 import torch
 import yaml
 
-from relayrl.checkpoint_logs import log_sizes, set_aside_after, set_aside_all
+from relayrl.common.utils import atomic_write_text, check_writable
 from relayrl.config import ConfigError, dump_yaml, to_dict
+from relayrl.run.checkpoint_logs import log_sizes, set_aside_after, set_aside_all
 from relayrl.scheduler import AsyncScheduler
 from relayrl.trainer.lora import is_lora
-from relayrl.utils import atomic_write_text, check_writable
 
 if TYPE_CHECKING:
-    from relayrl.build import Components
     from relayrl.config.schema import Config
+    from relayrl.run.build import Components
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ def check_layout(cfg: Config, ckpt: Path) -> None:
 
 def prepare_resume(run_dir: Path, ckpt: Path | None) -> None:
     """Make the run folder's logs look as they did at the checkpoint, deleting nothing: what they got after it
-    (those steps are trained again; a line torn by a crash too) is moved to superseded/ (relayrl.checkpoint_logs).
+    (those steps are trained again; a line torn by a crash too) is moved to superseded/ (relayrl.run.checkpoint_logs).
     Without a checkpoint the run starts at step 0 there, and what an earlier attempt left is moved aside."""
     check_writable(run_dir, "run.resume")
     _remove_temps(checkpoints_dir(run_dir))
@@ -279,7 +279,7 @@ def _write(c: Components, folder: Path, data: dict, rng: dict) -> dict:
     """Write every file but the manifest; returns what the manifest adds (a sharded trainer's world size)."""
     extra = {}
     if getattr(c.train_ctl.engine, "sharded", False):
-        from relayrl.checkpoint_dist import write_trainer
+        from relayrl.run.checkpoint_dist import write_trainer
 
         extra = write_trainer(c, folder)  # every rank writes its shard; back here once all have
     else:
@@ -392,8 +392,8 @@ def restore(c: Components, ckpt: Path) -> int:
     changed = config_changes(c.cfg, ckpt)
     if changed:
         logger.warning("resuming with training settings changed since the checkpoint: %s", ", ".join(changed))
-    if "world_size" in manifest:  # sharded: every rank loads its slice (relayrl.checkpoint_dist)
-        from relayrl.checkpoint_dist import read_trainer
+    if "world_size" in manifest:  # sharded: every rank loads its slice (relayrl.run.checkpoint_dist)
+        from relayrl.run.checkpoint_dist import read_trainer
 
         read_trainer(c, ckpt, manifest)
     else:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from relayrl.common.utils import atomic_write_text
 from relayrl.models import cache_dir
-from relayrl.utils import atomic_write_text
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from relayrl.utils import atomic_write_bytes
+from relayrl.common.utils import atomic_write_bytes
 
 SUPERSEDED = "superseded"
 _KEEP_IN_PLACE = {"checkpoints", SUPERSEDED}
