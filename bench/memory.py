@@ -140,15 +140,14 @@ def run_relayrl(a) -> dict:
         try:
             for step in range(1, a.steps + 1):
                 sampler.phase = "rollout"
-                m = c.env.produce_batch(c.data, cfg.data.batch_size)
-                batch = c.data.get_batch()
+                batch, m = c.rollouts.next_batch(c.train_ctl.version)
                 m |= rollout_metrics(batch)
                 kv = max(kv, sum(e.cache.nbytes() for e in c.rollout_ctl.engines if hasattr(e, "cache")))
                 sampler.phase = "train"
-                c.release_rollout_memory()
+                c.rollouts.release_memory()
                 m |= c.train_ctl.fit(batch)
                 sampler.phase = "weight_sync"
-                c.relay_weights()
+                c.rollouts.push_weights(c.train_ctl)
                 trim_memory()
                 print(f"step {step}: rss {rss_bytes() / GB:.2f} GB, rollout {m['time/rollout_s']:.1f}s, "
                       f"train {m['time/train_s']:.1f}s", file=sys.stderr)

@@ -9,12 +9,12 @@ out below, no weights: random init, so nothing is downloaded). Each run is its o
   precision resolved by relayrl.run.build.resolve_precision (engine.dtype auto -> bf16 where native, trainer fp32
   master weights with bf16 autocast iff the engine is bf16), the trainer built by relayrl.run.build._train_controller
   (TrainEngine + fused AdamW) and the engine by relayrl.run.build.make_engines (a LocalEngine on its own copy, or on
-  the trainer's model when relayrl.run.build.shares_weights says so). Only relayrl.models.load_model is replaced:
-  it builds the model from config.json with random weights instead of reading safetensors;
+  the trainer's model when relayrl.run.build.shares_weights says so). Only load_model is replaced (in build, trainer
+  and engine): it builds the model from config.json with random weights instead of reading safetensors;
 - rollout: the LocalEngine generates prompts x group samples of exactly NEW_TOKENS tokens (ignore_eos) from
   random PROMPT_LEN-token prompts; the samples get random 0/1 rewards;
 - train: the engine gives back its KV cache and weights (RolloutController.release_memory, as
-  Components.release_rollout_memory does), TrainController.fit trains on the samples (one AdamW step), and the
+  InProcessRollouts.release_memory does), TrainController.fit trains on the samples (one AdamW step), and the
   weight sync (TrainController.sync_weights) restores the engine's weights.
 
 --steps steps run (default 2: the first allocates the optimizer state and warms the kernels, and memory keeps
@@ -199,7 +199,7 @@ class MemGuard:
             time.sleep(self.interval)
 
 
-def _random_load_model(path, dtype="float32"):
+def _random_load_model(path, dtype="float32", device=None):
     """relayrl.models.load_model for a folder with only config.json: the same model class, random weights."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -210,7 +210,7 @@ def _random_load_model(path, dtype="float32"):
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    return model.eval()
+    return model.to(device or "cpu").eval()
 
 
 def malloc_trim() -> None:
@@ -230,8 +230,9 @@ def run_child(spec: dict) -> dict:
     import torch
     from transformers import AutoConfig
 
-    import relayrl.models
+    import relayrl.engine.local
     import relayrl.run.build
+    import relayrl.trainer.engine
     from relayrl.common.utils import release_openmp_threads
     from relayrl.config.schema import load_run_config
     from relayrl.engine.base import SamplingParams
@@ -241,7 +242,8 @@ def run_child(spec: dict) -> dict:
     from relayrl.trainer.logprobs import CHUNK_BYTES
 
     runtime = max(runtime0, rss_bytes())
-    relayrl.models.load_model = relayrl.run.build.load_model = _random_load_model  # random weights, real classes
+    for module in (relayrl.run.build, relayrl.trainer.engine, relayrl.engine.local):  # random weights, real classes
+        module.load_model = _random_load_model
     trim = malloc_trim if spec.get("malloc_trim") else (lambda: None)
     shape = spec["shape"]
     with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:

@@ -20,7 +20,7 @@ from relayrl.config import ConfigError
 from relayrl.config.schema import load_run_config
 from relayrl.models import load_model
 from relayrl.run import checkpoint
-from relayrl.run.checkpoint_dist import SHARDS
+from relayrl.trainer.shards import SHARDS
 
 FSDP2 = ("train.engine=fsdp", "train.world_size=2")
 # PPO: the critic and LR schedule (replicated on every rank) are restored beside the sharded policy and optimizer

@@ -195,7 +195,7 @@ def test_separate_placement_relays_adapters(tiny_path, tmp_path, transport):
     c = run_separate(cfg_for(tiny_path, data, tmp_path, "sep-lora", **{
         "model.lora_rank": 8, "train.lr": 1e-2, "run.steps": 2, "scheduler.mode": "async",
         "scheduler.placement": "separate", "scheduler.transport": transport, "scheduler.max_staleness": 0}))
-    assert c.producer.proc.exitcode == 0
+    assert c.rollouts.proc.exitcode == 0
     if transport == "disk":
         sent = load_file(str(c.run_dir / "weights" / "v2" / "model.safetensors"))
         assert sent and all(is_adapter_name(n) for n in sent)

@@ -103,7 +103,7 @@ def test_separate_placement_dist_transport_on_ray(tiny_path, local_run):
 
 def test_join_a_running_cluster(tiny_path, local_run):
     """ray.address: the run joins a cluster started with `ray start --head` and leaves it running, empty."""
-    from relayrl.run.launcher import free_port
+    from relayrl.common.net import free_port
 
     out, data = local_run
     ray_bin = str(Path(sys.executable).with_name("ray"))

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import relayrl_servers, write_sums
 
+from relayrl.common.net import free_port
 from relayrl.common.utils import read_jsonl
 from relayrl.config.loader import ConfigError
 from relayrl.config.schema import load_run_config
@@ -21,7 +22,7 @@ from relayrl.engine import EngineUnavailable, LocalEngine, RemoteEngine, Samplin
 from relayrl.engine.rollout import RolloutController
 from relayrl.models import eos_token_ids, load_model, load_tokenizer
 from relayrl.run.build import build
-from relayrl.run.launcher import ManagedServer, free_port, relayrl_server
+from relayrl.run.launcher import ManagedServer, relayrl_server
 from relayrl.run.loop import train_colocated
 
 

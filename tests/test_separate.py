@@ -37,7 +37,7 @@ def test_max_staleness_zero_matches_sync_across_processes(tiny_path, data, tmp_p
     sep = run_separate(cfg_for(tiny_path, data, tmp_path, f"sep-{transport}", **{
         "scheduler.mode": "async", "scheduler.placement": "separate", "scheduler.transport": transport,
         "scheduler.max_staleness": 0}))
-    assert sep.producer.proc.exitcode == 0  # stopped cleanly, not killed
+    assert sep.rollouts.proc.exitcode == 0  # stopped cleanly, not killed
     assert batches(sep.run_dir) == batches(sync.run_dir)  # same prompts, responses and rewards per step
     for (n, a), (_, b) in zip(sync.train_ctl.engine.model.named_parameters(),
                               sep.train_ctl.engine.model.named_parameters()):
@@ -73,4 +73,4 @@ def test_a_failing_producer_stops_the_trainer_with_its_traceback(tiny_path, data
         assert "broken agent: bad kwargs" in str(info.value)
     finally:
         c.close()
-    assert time.perf_counter() - t0 < 60 and not c.producer.proc.is_alive()
+    assert time.perf_counter() - t0 < 60 and not c.rollouts.proc.is_alive()

@@ -24,12 +24,12 @@ import httpx
 import pytest
 from serve_for_tests import ROOT, Server
 
+from relayrl.common.net import is_loopback
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.models import eos_token_ids, load_model, load_tokenizer
 from relayrl.serve.errors import BadRequest
 from relayrl.serve.openai_api import make_openai_app
-from relayrl.serve.security import is_loopback
 
 KEY = "hostile-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import relayrl_servers, write_sums
 
+from relayrl.common.net import free_port
 from relayrl.common.utils import read_jsonl
 from relayrl.config.loader import ConfigError
 from relayrl.config.schema import load_run_config
@@ -25,7 +26,7 @@ from relayrl.engine import LocalEngine, RemoteEngine, SamplingParams
 from relayrl.engine.rollout import RolloutController
 from relayrl.models import load_model
 from relayrl.run.build import build
-from relayrl.run.launcher import free_port, relayrl_server
+from relayrl.run.launcher import relayrl_server
 from relayrl.run.loop import train_colocated
 from relayrl.weights.weight_group import WeightGroup, WeightSyncError
 

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-from relayrl.common.utils import atomic_write_text
-from relayrl.models import cache_dir
+from relayrl.common.utils import atomic_write_text, cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -170,3 +170,8 @@ def trim_memory() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def cache_dir() -> Path:
+    """Where prepared and tiny models live: $RELAYRL_CACHE, else ~/.cache/relayrl."""
+    return Path(os.environ.get("RELAYRL_CACHE") or Path.home() / ".cache" / "relayrl").expanduser()

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from relayrl.common.device import DEVICE_SETTINGS, valid_device_setting
+from relayrl.common.net import check_address
 from relayrl.config.loader import check, fill_missing, load_config
 from relayrl.config.rules import check_rules
 
@@ -152,8 +153,6 @@ class EngineConfig:
         check(self.retries >= 0, "retries", "must be >= 0")
         check(self.request_timeout > 0, "request_timeout", "must be > 0")
         if self.kind == "remote":
-            from relayrl.engine.remote import check_address
-
             check(bool(self.addresses) != (self.launch != "none"), "addresses",
                   "engine.kind=remote needs either addresses (running servers) or launch=relayrl|vllm, not both")
             check(self.launch != "relayrl" or self.backend == "sglang", "backend",

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from relayrl.common.utils import cache_dir
+
 log = logging.getLogger(__name__)
 
 NAME = "relayrl_slots"
@@ -50,8 +52,6 @@ def _cpu_flags() -> str:
 
 
 def _build() -> Path:
-    from relayrl.models import cache_dir
-
     cc = os.environ.get("CC", "cc")
     src = _SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([src, " ".join([cc, *_CFLAGS, *_LIBS]).encode(), _cpu_flags().encode(),

@@ -35,9 +35,11 @@ import torch
 
 from relayrl.common.device import model_device
 from relayrl.common.utils import release_openmp_threads
+from relayrl.engine import attention
 from relayrl.engine.base import GenOutput, SamplingParams
 from relayrl.engine.kv_cache import SlotKVCache
 from relayrl.engine.sampling import sample_tokens
+from relayrl.models import eos_token_ids, load_model, load_tokenizer
 from relayrl.trainer.lora import is_adapter_name, merge_into
 
 log = logging.getLogger(__name__)
@@ -117,8 +119,6 @@ class LocalEngine:
     def from_pretrained(cls, path: str, *, dtype: str = "bfloat16", device: str | torch.device = "cpu",
                         **kwargs) -> LocalEngine:
         """`device`: auto, cpu, cuda or cuda:N (relayrl.common.device.resolve_device)."""
-        from relayrl.models import eos_token_ids, load_model, load_tokenizer
-
         model = load_model(path, dtype=dtype, device=device)
         return cls(model, eos_token_ids=eos_token_ids(load_tokenizer(path), path), **kwargs)
 
@@ -286,16 +286,14 @@ class LocalEngine:
         """Route decode attention through the C kernel when the model is on the CPU, the kernel builds, fits the
         model and the model sends its attention calls to it (checked on one real decode step); else SDPA (the
         reason logged), or an error when `required`."""
-        from relayrl.engine.attention import install, kernel_supports, load_kernel
-
         why = None
         if self.device.type != "cpu":
             why = f"the C kernel reads CPU memory and the model is on {self.device}"
-        elif not kernel_supports(self.cache.dtype, heads, kv_heads, head_dim):
+        elif not attention.kernel_supports(self.cache.dtype, heads, kv_heads, head_dim):
             why = f"no kernel for dtype={self.cache.dtype}, heads={heads}/{kv_heads}, head_dim={head_dim}"
-        elif (lib := load_kernel()) is None:
+        elif (lib := attention.load_kernel()) is None:
             why = "the kernel did not build (see the warning above) or RELAYRL_KERNELS=0"
-        elif not install(self.model):
+        elif not attention.install(self.model):
             why = f"the model's attention ({self.model.config._attn_implementation}) is not SDPA"
         else:
             self.cache.kernel = lib

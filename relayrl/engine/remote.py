@@ -32,15 +32,17 @@ import contextlib
 import re
 import shutil
 import threading
+import time
 from collections.abc import Coroutine, Iterable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import torch
 
+from relayrl.common.net import check_address
 from relayrl.engine.base import GenOutput, SamplingParams
+from relayrl.weights.transport import save_weights_version
 from relayrl.weights.weight_group import BACKENDS, DistributedSync
 
 _RETRYABLE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
@@ -58,20 +60,6 @@ class RemoteRequestError(RuntimeError):
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
         self.status = status
-
-
-def check_address(address: str) -> str:
-    """`http(s)://host:port` without a trailing slash; anything else is a ValueError naming it."""
-    parts = urlsplit(address.strip()) if isinstance(address, str) else None
-    try:
-        port = parts.port if parts else None
-    except ValueError:
-        port = None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port is None:
-        raise ValueError(f"bad engine address {address!r}: expected http(s)://host:port")
-    if parts.path.strip("/") or parts.query:
-        raise ValueError(f"bad engine address {address!r}: expected no path (http(s)://host:port)")
-    return f"{parts.scheme}://{parts.netloc}"
 
 
 class RemoteEngine:
@@ -273,8 +261,6 @@ class RemoteEngine:
         self._remove_old_weights(previous)
 
     def _write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> Path:
-        from relayrl.weights.transport import save_weights_version
-
         key = (str(self.weights_dir.resolve()), version)
         with RemoteEngine._written_lock:
             path = RemoteEngine._written.get(key)
@@ -396,7 +382,6 @@ class RemoteEngine:
 
     def wait_ready(self, timeout: float = 60.0, interval: float = 0.25) -> None:
         """Poll /health until it answers 200; EngineUnavailable naming the address after `timeout` seconds."""
-        import time
 
         deadline = time.monotonic() + timeout
         while not self.health():

@@ -2,6 +2,7 @@
 SmolLM2-135M-Instruct, converted once from a PyPI-shipped gguf); tiny random models serve tests and benches.
 Every model folder relayrl writes appears whole or not at all (`store`)."""
 
+from relayrl.common.utils import cache_dir
 from relayrl.models.loading import (
     DTYPES,
     MODEL_ALIASES,
@@ -12,7 +13,6 @@ from relayrl.models.loading import (
     save_pretrained_atomic,
 )
 from relayrl.models.smollm2 import prepare_smollm2, smollm2_dir
-from relayrl.models.store import cache_dir
 from relayrl.models.tiny import build_tiny_model, tiny_model
 
 __all__ = ["DTYPES", "MODEL_ALIASES", "build_tiny_model", "cache_dir", "eos_token_ids", "load_model",

@@ -17,7 +17,8 @@ from transformers import (
     GenerationConfig,
 )
 
-from relayrl.models.store import atomic_build, cache_dir, is_complete, make_portable
+from relayrl.common.utils import cache_dir
+from relayrl.models.store import atomic_build, is_complete, make_portable
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

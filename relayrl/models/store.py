@@ -24,11 +24,6 @@ CHATML_TEMPLATE = (
 
 
 
-def cache_dir() -> Path:
-    """Where prepared and tiny models live: $RELAYRL_CACHE, else ~/.cache/relayrl."""
-    return Path(os.environ.get("RELAYRL_CACHE") or Path.home() / ".cache" / "relayrl").expanduser()
-
-
 # ---- atomic folder builds ------------------------------------------------------------------------
 def is_complete(folder: Path) -> bool:
     return (folder / MARKER).is_file()

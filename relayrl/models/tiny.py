@@ -20,7 +20,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from relayrl.models.store import CHATML_TEMPLATE, atomic_build, cache_dir, make_portable
+from relayrl.common.utils import cache_dir
+from relayrl.models.store import CHATML_TEMPLATE, atomic_build, make_portable
 
 _TINY_VERSION = 1  # bump when build_tiny_model's output changes, so cached tiny models are rebuilt
 

@@ -12,8 +12,6 @@ import dataclasses
 import inspect
 import random
 import shutil
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,7 +19,8 @@ import torch
 from relayrl.agents import AGENTS, Agent
 from relayrl.common.device import resolve_device
 from relayrl.common.hardware import resolve_dtype
-from relayrl.common.utils import check_writable, import_from_path, trim_memory, tune_allocator
+from relayrl.common.net import free_port
+from relayrl.common.utils import check_writable, import_from_path, tune_allocator
 from relayrl.config import ConfigError, dump_yaml
 from relayrl.config.schema import Config
 from relayrl.data import DataManager, PromptBuilder, load_rows
@@ -30,110 +29,21 @@ from relayrl.engine.local import LocalEngine
 from relayrl.engine.remote import RemoteEngine
 from relayrl.engine.rollout import RolloutController
 from relayrl.judge import Judge, reward_kwargs_problem
-from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path, save_pretrained_atomic
+from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path
 from relayrl.run import checkpoint
+from relayrl.run.components import Components
 from relayrl.run.env import Env
-from relayrl.run.evaluator import Evaluator
-from relayrl.run.launcher import ManagedServer, free_port, make_server
+from relayrl.run.launcher import ManagedServer, make_server
+from relayrl.run.placement import ray_placement, rendezvous_host
 from relayrl.run.producer import ProducerHandle
-from relayrl.run.ray_launch import ray_placement, rendezvous_host
+from relayrl.run.sources import InProcessRollouts
 from relayrl.scheduler import AsyncScheduler, SyncScheduler, group_filter
 from relayrl.tracking.metrics import MetricsLogger
 from relayrl.tracking.trajectories import TrajectoryLogger
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
-
-
-@dataclass
-class Components:
-    """What a run is made of. Which parts exist depends on the role it was built for (see `build`)."""
-
-    cfg: Config
-    run_dir: Path
-    tokenizer: object
-    rollout_ctl: RolloutController | None  # None in a trainer whose rollouts run in a producer process
-    judge: Judge | None
-    env: Env | None
-    data: DataManager | None
-    train_ctl: TrainController | None
-    logger: MetricsLogger | None  # None in a producer process: the trainer logs
-    eval_agent: Agent | None = None
-    eval_data: DataManager | None = None
-    evaluator: Evaluator = field(default_factory=Evaluator)
-    trajectories: TrajectoryLogger | None = None
-    servers: list[ManagedServer] = field(default_factory=list)  # inference servers this run launched
-    producer: ProducerHandle | None = None  # separate placement: the rollout process
-    step: int = 0  # the last finished training step: a resumed run continues after it
-
-    def evaluate(self) -> dict[str, float]:
-        """Generate the held-out set with the eval agent and score it (empty if no eval data)."""
-        if self.producer is not None:
-            return self.producer.evaluate()
-        if self.eval_data is None:
-            return {}
-        self.eval_data.reset()
-        stats = self.env.produce_batch(self.eval_data, len(self.eval_data), agent=self.eval_agent)
-        metrics = self.evaluator.evaluate(self.eval_data.get_batch())
-        return metrics | {"eval/rejected": stats.get("judge/rejected", 0.0)}  # not in the eval means: visible here
-
-    # ---- the async loop's view of the rollout side, the same for both placements -----------------------
-    def start_producer(self) -> None:
-        if self.producer is None:  # a producer process started producing when it was built
-            self.env.start_producer(self.data)
-
-    def stop_producer(self) -> None:
-        if self.producer is None:
-            self.env.stop_producer()
-
-    def get_batch(self, version: int) -> tuple[list, dict]:
-        """The next batch within the staleness bound at `version`, from this process or the producer."""
-        if self.producer is not None:
-            return self.producer.get_batch(version)
-        return self.env.get_batch(self.data, version)
-
-    def release_rollout_memory(self) -> int:
-        """Colocated sync RL: the engines here idle until the weight sync, so their KV cache and weights (not
-        LoRA base weights: only adapters are synced) make room for training (engine.release_during_train)."""
-        if self.producer is not None or not self.cfg.engine.release_during_train:
-            return 0
-        freed = self.rollout_ctl.release_memory(weights=not self.cfg.model.lora_rank)
-        trim_memory()
-        return freed
-
-    def relay_weights(self) -> float:
-        """Send the trained weights to the rollout side (engines here, or the producer); returns seconds."""
-        t0 = time.perf_counter()
-        if self.producer is not None:
-            self.producer.send_weights(self.train_ctl.engine.named_parameters(), self.train_ctl.version)
-        else:
-            self.train_ctl.sync_weights(self.rollout_ctl)
-            self.env.notify_version()
-        return time.perf_counter() - t0
-
-    def save_model(self, path: Path) -> Path:
-        """Write the trained policy as a plain HF folder (loads with from_pretrained), atomically."""
-        from relayrl.trainer.lora import is_lora, merged_state_dict
-
-        model = self.train_ctl.engine.model
-        if is_lora(model):  # LoRA: the adapters merged into the base weights, no peft needed to load it
-            return save_pretrained_atomic(model.get_base_model(), self.tokenizer, path,
-                                          state_dict=merged_state_dict(model))
-        full = getattr(self.train_ctl, "full_state_dict", None)  # FSDP: gather the shards (all ranks take part)
-        return save_pretrained_atomic(model, self.tokenizer, path, state_dict=full() if full else None)
-
-    def close(self) -> None:
-        """Release everything, producer first (it may be using the rest), each part even if another fails."""
-        parts = [self.producer.stop if self.producer else None, self.env and self.env.close,
-                 self.rollout_ctl and self.rollout_ctl.close, self.judge and self.judge.close,
-                 self.logger and self.logger.close, *(s.stop for s in self.servers)]
-        errors = []
-        for close in filter(None, parts):
-            try:
-                close()
-            except Exception as e:  # noqa: PERF203 - one failure must not leak the other processes
-                errors.append(e)
-        if errors:
-            raise errors[0]
+from relayrl.trainer.fsdp import FSDPEngine, ReplicatedEngine
+from relayrl.trainer.lora import BaseReference
 
 
 def new_run_dir(cfg: Config) -> Path:
@@ -294,7 +204,7 @@ def _build_trainer(cfg: Config) -> Components:
     run_dir, _, created = _run_folder(cfg, resume=False)  # the config refuses checkpoints with separate placement
     host = rendezvous_host()
     try:
-        producer = ProducerHandle(cfg, run_dir, dist_address=f"{host}:{free_port(host)}")
+        producer = ProducerHandle(cfg, run_dir, build, dist_address=f"{host}:{free_port(host)}")
     except BaseException:
         discard_new_run(run_dir, created)
         raise
@@ -304,12 +214,11 @@ def _build_trainer(cfg: Config) -> Components:
         train_ctl = _train_controller(cfg, model_path, _pad_id(tokenizer, eos_token_ids(tokenizer, model_path)))
         logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
     except BaseException:
-        producer.stop()
+        producer.close()
         discard_new_run(run_dir, created)
         raise
     trajectories = TrajectoryLogger(run_dir, tokenizer) if cfg.run.log_trajectories else None
-    return Components(cfg, run_dir, tokenizer, None, None, None, None, train_ctl, logger,
-                      trajectories=trajectories, producer=producer)
+    return Components(cfg, run_dir, tokenizer, producer, train_ctl, logger, trajectories=trajectories)
 
 
 def build_follower(cfg: Config) -> TrainController:
@@ -370,8 +279,8 @@ def _assemble(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge, role:
     logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if role != "producer" else None
     trajectories = TrajectoryLogger(run_dir, tokenizer) if cfg.run.log_trajectories and role != "producer" else None
     judge.wait_ready()
-    c = Components(cfg, run_dir, tokenizer, rollout_ctl, judge, env, data, train_ctl, logger,
-                   eval_agent, eval_data, trajectories=trajectories, servers=servers)
+    rollouts = InProcessRollouts(cfg, rollout_ctl, judge, env, data, eval_agent, eval_data)
+    c = Components(cfg, run_dir, tokenizer, rollouts, train_ctl, logger, trajectories=trajectories, servers=servers)
     if role == "colocated":
         try:
             checkpoint.prepare(c, ckpt)  # room for checkpoints; resume: weights, optimizer, data, RNGs
@@ -466,8 +375,6 @@ def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainControl
     optim_kw = dict(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                     gradient_checkpointing=cfg.model.gradient_checkpointing)
     if t.engine == "fsdp":  # this process's shard; the process group is up (relayrl.run.loop.train)
-        from relayrl.trainer.fsdp import FSDPEngine
-
         train_engine = FSDPEngine.from_pretrained(model_path, dtype=cfg.model.train_dtype,
                                                   mixed_precision=t.fsdp_mixed_precision, **optim_kw, **engine_kw)
     else:
@@ -475,15 +382,11 @@ def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainControl
                                                    device=resolve_device(cfg.run.device), **optim_kw, **engine_kw)
     ref_engine = None
     if cfg.algo.kl_coef > 0 and cfg.model.lora_rank:  # the policy with its adapters off: no second copy
-        from relayrl.trainer.lora import BaseReference
-
         ref_engine = BaseReference(train_engine)
     elif cfg.algo.kl_coef > 0:
         ref_model = load_model(model_path, dtype=cfg.model.train_dtype,
                                device=train_engine.device).requires_grad_(False)
         if t.engine == "fsdp":  # a whole copy per rank, each rank computing its share of the batch
-            from relayrl.trainer.fsdp import ReplicatedEngine
-
             ref_engine = ReplicatedEngine(ref_model, **engine_kw)
         else:
             ref_engine = TrainEngine(ref_model, **engine_kw)

@@ -4,9 +4,10 @@ A checkpoint is RUN_DIR/checkpoints/step_N/:
 
     model/         the policy as a plain HF folder (safetensors + tokenizer): `from_pretrained` loads it
     trainer.pt     TrainController.state_dict(): policy optimizer, LR schedule, version, critic
-    data.pt        DataManager.state_dict() (loader position, epoch, drawn counter, prompts to generate
-                   again) and the async scheduler's counters
-    rng.pt         python `random`, torch's generators, each local engine's generator
+    data.pt        the rollout source's state_dict() (relayrl.run.sources): DataManager.state_dict() (loader
+                   position, epoch, drawn counter, prompts to generate again), the async scheduler's counters
+                   and each local engine's generator
+    rng.pt         python `random`, torch's generators
     logs.json      sizes of metrics.jsonl and trajectories/* at step N: a resume sets what follows aside
     config.yaml    the config that wrote it (a resume warns about training keys that changed, and refuses
                    another model.path)
@@ -31,7 +32,6 @@ trained or still to generate: nothing is lost, nothing is trained twice (the pro
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
@@ -43,20 +43,17 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import yaml
 
 from relayrl.common.utils import atomic_write_text, check_writable
 from relayrl.config import ConfigError, dump_yaml, to_dict
+from relayrl.config.schema import Config
+from relayrl.run.checkpoint_dist import read_trainer, write_trainer
 from relayrl.run.checkpoint_logs import log_sizes, set_aside_after, set_aside_all
-from relayrl.scheduler import AsyncScheduler
+from relayrl.run.components import Components
 from relayrl.trainer.lora import is_lora
-
-if TYPE_CHECKING:
-    from relayrl.config.schema import Config
-    from relayrl.run.build import Components
 
 logger = logging.getLogger(__name__)
 
@@ -259,9 +256,9 @@ def save(c: Components, step: int) -> Path:
         root.mkdir(parents=True, exist_ok=True)
         _remove_temps(root)
         tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}.tmp-", dir=root))
-        with _producer_stopped(c):  # an async producer must not draw prompts while their state is taken
-            data = _data_state(c)
-            rng = _rng_state(c)
+        with c.rollouts.paused():  # an async producer must not draw prompts while their state is taken
+            data = c.rollouts.state_dict()
+            rng = _rng_state()
         extra = _write(c, tmp, data, rng)
         _write_manifest(tmp, step, c.train_ctl.version, extra)
         _replace(tmp, target)
@@ -279,8 +276,6 @@ def _write(c: Components, folder: Path, data: dict, rng: dict) -> dict:
     """Write every file but the manifest; returns what the manifest adds (a sharded trainer's world size)."""
     extra = {}
     if getattr(c.train_ctl.engine, "sharded", False):
-        from relayrl.run.checkpoint_dist import write_trainer
-
         extra = write_trainer(c, folder)  # every rank writes its shard; back here once all have
     else:
         c.save_model(folder / "model")  # a plain HF folder (LoRA: adapters merged); adapters go in trainer.pt
@@ -334,51 +329,19 @@ def _remove_temps(root: Path) -> None:
 
 
 # ---- what a checkpoint holds beyond the weights ----------------------------------------------------------
-@contextlib.contextmanager
-def _producer_stopped(c: Components):
-    """Async, one process: stop the producer and requeue what it generated but nobody trained (see the
-    module docstring), then start it again. A no-op for the synchronous scheduler."""
-    sched = c.env.scheduler if c.env is not None else None
-    if not isinstance(sched, AsyncScheduler) or not c.env.producing:
-        yield
-        return
-    c.stop_producer()
-    try:
-        for group in c.data.replay_buffer.take():
-            c.data.requeue(group[0].data)
-            sched.manager.on_expire()
-        yield
-    finally:
-        c.start_producer()
-
-
-def _data_state(c: Components) -> dict:
-    state = {"data": c.data.state_dict()}
-    sched = c.env.scheduler
-    if isinstance(sched, AsyncScheduler):  # groups trained so far: the base of the staleness admission rule
-        state["async"] = {"accepted": sched.manager.accepted, "stats": dict(sched.stats)}
-    return state
-
-
-def _engines(c: Components) -> list:
-    return [e for e in (c.rollout_ctl.engines if c.rollout_ctl is not None else []) if hasattr(e, "rng_state")]
-
-
-def _rng_state(c: Components) -> dict:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "engines": [e.rng_state() for e in _engines(c)]}
+def _rng_state() -> dict:
+    """The process-wide generators (python, torch, CUDA); the engines' own are in the rollout source's state."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def _set_rng_state(c: Components, state: dict) -> None:
+def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    for engine, s in zip(_engines(c), state["engines"]):
-        engine.set_rng_state(s)
 
 
 # ---- resuming -------------------------------------------------------------------------------------------
@@ -393,22 +356,18 @@ def restore(c: Components, ckpt: Path) -> int:
     if changed:
         logger.warning("resuming with training settings changed since the checkpoint: %s", ", ".join(changed))
     if "world_size" in manifest:  # sharded: every rank loads its slice (relayrl.run.checkpoint_dist)
-        from relayrl.run.checkpoint_dist import read_trainer
-
         read_trainer(c, ckpt, manifest)
     else:
         if not is_lora(c.train_ctl.engine.model):  # LoRA: the base is model.path's; trainer.pt has the adapters
             load_weights(c.train_ctl.engine.model, ckpt / "model")
         # on the CPU first: load_state_dict copies into the trainer's own device (a GPU run's checkpoint loads anywhere)
         c.train_ctl.load_state_dict(torch.load(ckpt / "trainer.pt", weights_only=True, map_location="cpu"))
-    c.relay_weights()
+    c.rollouts.push_weights(c.train_ctl)
     data = torch.load(ckpt / "data.pt", weights_only=True)
-    c.data.load_state_dict(data["data"])
-    sched = c.env.scheduler
-    if isinstance(sched, AsyncScheduler) and "async" in data:
-        sched.manager.accepted = data["async"]["accepted"]
-        sched.stats.update(data["async"]["stats"])
-    _set_rng_state(c, torch.load(ckpt / "rng.pt", weights_only=True))
+    rng = torch.load(ckpt / "rng.pt", weights_only=True)
+    data.setdefault("engines", rng.get("engines", []))  # older checkpoints kept the engines' generators in rng.pt
+    c.rollouts.load_state_dict(data)
+    _set_rng_state(rng)
     return int(manifest["step"])
 
 

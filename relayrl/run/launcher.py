@@ -15,7 +15,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,14 +22,9 @@ from pathlib import Path
 
 import httpx
 
+from relayrl.common.net import free_port, is_loopback
+
 _LIVE: set[ManagedServer] = set()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -130,8 +124,6 @@ def relayrl_server(model: str, log_path: Path, *, dtype: str = "bfloat16", max_b
     """`relayrl serve` with this interpreter (so it runs the same relayrl as the trainer). `weights_root`
     (created here) enables /update_weights_from_disk for folders under it. A non-loopback host without an
     API key is passed --insecure, as launched servers always listened so; set engine.api_key to close it."""
-    from relayrl.serve.security import is_loopback
-
     port = free_port(host)
     cmd = [sys.executable, "-m", "relayrl.cli", "serve", "--model", model, "--host", host, "--port", str(port),
            "--dtype", dtype, "--max-batch-size", str(max_batch_size), "--seed", str(seed), "--log-level", "warning"]

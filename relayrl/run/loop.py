@@ -12,12 +12,16 @@ import time
 
 from tqdm import tqdm
 
+from relayrl.common.device import resolve_device
 from relayrl.common.utils import trim_memory
 from relayrl.config.schema import Config
 from relayrl.run import checkpoint
-from relayrl.run.build import Components, build
+from relayrl.run.build import build, build_follower
+from relayrl.run.components import Components
 from relayrl.run.evaluator import rollout_metrics
 from relayrl.sample import Sample
+from relayrl.trainer.fsdp import init_distributed, shutdown_distributed
+from relayrl.trainer.leader import follow, lead, stop_followers
 
 
 def train_colocated(c: Components) -> dict[str, float]:
@@ -26,14 +30,13 @@ def train_colocated(c: Components) -> dict[str, float]:
     last_eval = _evaluate(c, 0) if cfg.eval.at_start and c.step == 0 else {}
     for step in (bar := _steps(c)):
         t0 = time.perf_counter()
-        metrics = c.env.produce_batch(c.data, cfg.data.batch_size)
-        batch = c.data.get_batch()
+        batch, metrics = c.rollouts.next_batch(c.train_ctl.version)
         if c.trajectories is not None:
             c.trajectories.log(batch, step)
         metrics |= rollout_metrics(batch)
-        c.release_rollout_memory()
+        c.rollouts.release_memory()
         metrics |= c.train_ctl.fit(batch)
-        metrics["time/weight_sync_s"] = c.relay_weights()
+        metrics["time/weight_sync_s"] = relay_weights(c)
         trim_memory()  # the step's activations and gradients are free: give their pages back before rollout
         metrics |= _perf(c, metrics, time.perf_counter() - t0)
         _log(c, step, metrics, bar, batch)
@@ -62,16 +65,16 @@ def train_async(c: Components) -> dict[str, float]:
     scheduler.placement=separate, in a producer process: the loop is the same."""
     cfg = c.cfg
     last_eval = _evaluate(c, 0) if cfg.eval.at_start and c.step == 0 else {}
-    c.start_producer()
+    c.rollouts.start()
     try:
         for step in (bar := _steps(c)):
             t0 = time.perf_counter()
-            batch, metrics = c.get_batch(c.train_ctl.version)
+            batch, metrics = c.rollouts.next_batch(c.train_ctl.version)
             if c.trajectories is not None:
                 c.trajectories.log(batch, step)
             metrics |= rollout_metrics(batch) | staleness_metrics(batch, c.train_ctl.version)
             metrics |= c.train_ctl.fit(batch)
-            metrics["time/weight_sync_s"] = c.relay_weights()
+            metrics["time/weight_sync_s"] = relay_weights(c)
             metrics["time/rollout_s"] = metrics["time/wait_for_batch_s"]
             metrics |= _perf(c, metrics, time.perf_counter() - t0)
             _log(c, step, metrics, bar, batch)
@@ -79,8 +82,15 @@ def train_async(c: Components) -> dict[str, float]:
                 last_eval = _evaluate(c, step)
             checkpoint.save_if_due(c, step)
     finally:
-        c.stop_producer()
+        c.rollouts.stop()
     return _finish(c, last_eval)
+
+
+def relay_weights(c: Components) -> float:
+    """Send the trained weights to the rollout side (engines here, or the producer); returns seconds."""
+    t0 = time.perf_counter()
+    c.rollouts.push_weights(c.train_ctl)
+    return time.perf_counter() - t0
 
 
 def staleness_metrics(batch: list[Sample], version: int) -> dict[str, float]:
@@ -105,10 +115,6 @@ def train(cfg: Config) -> dict[str, float]:
 def _train_data_parallel(cfg: Config) -> dict[str, float]:
     """train.engine=fsdp, one process per rank (torchrun): rank 0 runs the loop above with a LeaderController,
     the other ranks follow its trainer calls (relayrl/trainer/leader.py)."""
-    from relayrl.common.device import resolve_device
-    from relayrl.run.build import build_follower
-    from relayrl.trainer.fsdp import init_distributed, shutdown_distributed
-    from relayrl.trainer.leader import follow, lead, stop_followers
 
     rank, _ = init_distributed("gloo" if resolve_device(cfg.run.device).type == "cpu" else None)  # run.device=cpu
     if rank:  # an error ends this process without the final barrier, which rank 0 may never reach (it may fail
@@ -151,7 +157,7 @@ def _perf(c: Components, m: dict[str, float], step_s: float) -> dict[str, float]
 
 def _evaluate(c: Components, step: int) -> dict[str, float]:
     t0 = time.perf_counter()
-    metrics = c.evaluate()
+    metrics = c.rollouts.evaluate()
     if metrics:
         metrics["time/eval_s"] = time.perf_counter() - t0
         c.logger.log(step, metrics)

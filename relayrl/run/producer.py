@@ -13,6 +13,7 @@ and exits when the trainer process disappears.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -21,25 +22,31 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from relayrl.config import from_dict, to_dict
 from relayrl.config.schema import Config
-from relayrl.run.ray_launch import ray_placement
+from relayrl.run.placement import ray_placement
 from relayrl.sample import Sample
 from relayrl.scheduler.asynchronous import take_fresh
+from relayrl.trainer.lora import adapter_template
 from relayrl.weights.transport import DiskReceiver, DiskSender, DistReceiver, DistSender
 
 
 class ProducerHandle:
     """The trainer's side of a producer process."""
 
-    def __init__(self, cfg: Config, run_dir: Path, dist_address: str | None = None):
+    def __init__(self, cfg: Config, run_dir: Path, build: Callable, dist_address: str | None = None):
+        """`build` is `relayrl.run.build.build`, which builds this handle: passed in (the spawned process gets
+        it pickled by name) so that this module stays below the builder."""
         self.cfg, self.weights_root = cfg, run_dir / "weights"
-        args = (to_dict(cfg), str(run_dir), cfg.scheduler.transport, dist_address)
+        args = (to_dict(cfg), str(run_dir), cfg.scheduler.transport, dist_address, build)
         placement = ray_placement()
         if placement is not None:  # launcher=ray: an actor on the producer's bundle; Ray ties its life to ours
-            self.proc, self.to_trainer, self.from_trainer = placement.producer((*args, None))
+            self.proc, self.to_trainer, self.from_trainer = placement.producer(producer_main, (*args, None))
         else:
             ctx = mp.get_context("spawn")
             self.to_trainer, self.from_trainer = ctx.Queue(), ctx.Queue()
@@ -73,8 +80,30 @@ class ProducerHandle:
             self._pump(0.5)
         return [self._groups.popleft() for _ in range(n)]
 
-    # ---- the trainer's calls ------------------------------------------------------------------------
-    def get_batch(self, version: int) -> tuple[list[Sample], dict]:
+    # ---- the trainer's calls: the RolloutSource protocol (relayrl.run.sources) ------------------------
+    def start(self) -> None:
+        """Nothing to do: the producer process started producing as soon as it was built."""
+
+    def stop(self) -> None:
+        """Nothing to do: the producer keeps producing until `close`."""
+
+    def release_memory(self) -> int:
+        return 0  # the engines live in the producer process
+
+    def paused(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def state_dict(self) -> dict:
+        raise RuntimeError("a run with scheduler.placement=separate cannot be checkpointed: its data position "
+                           "and engines live in the producer process")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state_dict()
+
+    def push_weights(self, train_ctl) -> None:
+        self.send_weights(train_ctl.engine.named_parameters(), train_ctl.version)
+
+    def next_batch(self, version: int) -> tuple[list[Sample], dict]:
         s = self.cfg.scheduler
         return take_fresh(self._take, self.cfg.data.batch_size, version, s.max_staleness,
                           lambda group: self.from_trainer.put(("expire", group[0].data)))
@@ -93,7 +122,7 @@ class ProducerHandle:
             self._pump(0.5)
         return self._evals.popleft()
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = 30.0) -> None:
         """Ask the producer to finish, release the weight channel, join; kill it if it does not exit."""
         if self.proc.is_alive():
             self.from_trainer.put(("stop", None))
@@ -107,23 +136,19 @@ class ProducerHandle:
             self.proc.join(5)
 
 
-def producer_main(cfg_dict: dict, run_dir: str, transport: str, dist_address: str | None, trainer_pid: int | None,
-                  to_trainer, from_trainer) -> None:
+def producer_main(cfg_dict: dict, run_dir: str, transport: str, dist_address: str | None, build: Callable,
+                  trainer_pid: int | None, to_trainer, from_trainer) -> None:
     """Entry point of the producer process (trainer_pid None: a Ray actor, whose life Ray ties to the trainer's)."""
     if trainer_pid is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         _exit_with(trainer_pid)
     c = receiver = None
     try:
-        import torch
-
-        from relayrl.run.build import build
-
         cfg = from_dict(Config, cfg_dict)
         torch.set_num_threads(cfg.scheduler.producer_threads)
         c = build(cfg, role="producer", run_dir=Path(run_dir))
         receiver = _receiver(c, transport, Path(run_dir) / "weights", dist_address)
-        c.env.start_producer(c.data)
+        c.rollouts.start()
         threading.Thread(target=_forward_groups, args=(c, to_trainer), daemon=True).start()
         _serve(c, receiver, to_trainer, from_trainer)
     except BaseException:
@@ -143,17 +168,13 @@ def _receiver(c, transport: str, root: Path, dist_address: str | None):
         c.env.notify_version()
 
     if transport == "dist":
-        from relayrl.trainer.lora import adapter_template
-
         model = c.rollout_ctl.engines[0].model  # LoRA: the trainer broadcasts only adapters, shaped from the config
         template = adapter_template(model, c.cfg.model) if c.cfg.model.lora_rank else model.named_parameters()
         return DistReceiver(dist_address, template, apply, dtype=_wire_dtype(c.cfg))
     return DiskReceiver(root, apply)
 
 
-def _wire_dtype(cfg: Config):
-    import torch
-
+def _wire_dtype(cfg: Config) -> torch.dtype:
     return torch.bfloat16 if cfg.model.train_dtype == "bfloat16" else torch.float32
 
 
@@ -185,7 +206,7 @@ def _serve(c, receiver, to_trainer, from_trainer) -> None:
             c.env.scheduler.manager.on_expire()
             c.env.notify_version()
         elif kind == "eval":
-            to_trainer.put(("eval", c.evaluate()))
+            to_trainer.put(("eval", c.rollouts.evaluate()))
 
 
 def _exit_with(pid: int) -> None:

@@ -32,18 +32,13 @@ Logprobs are those of the temperature-scaled distribution before top-k/top-p (th
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from relayrl.engine.base import GenOutput, SamplingParams
-from relayrl.engine.local import LocalEngine
-from relayrl.serve.admission import Admission
 from relayrl.serve.errors import (
     ApiError,
     BadRequest,
@@ -53,60 +48,12 @@ from relayrl.serve.errors import (
     log_error,
     read_json,
 )
-from relayrl.serve.limits import ServerLimits, flag, rid
+from relayrl.serve.limits import flag, rid
 from relayrl.serve.parsing import Job, parse_generate
 from relayrl.serve.security import key_check
+from relayrl.serve.state import ServerState
 from relayrl.serve.weights_disk import update_from_disk
-
-
-@dataclass
-class ServerState:
-    """What the routes share: the engine, its tokenizer, the limits, and the server's lifecycle flags."""
-
-    engine: LocalEngine
-    tokenizer: Any
-    model_path: str
-    limits: ServerLimits
-    api_key: str | None = None
-    weights_root: Path | None = None  # /update_weights_from_disk reads only under it; None: the route is off
-    closing: bool = False  # set at shutdown: new generations get 503, running ones are aborted
-    paused: bool = False
-    admission: Admission = field(init=False)
-    _tokenizing: concurrent.futures.ThreadPoolExecutor = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.admission = Admission(self.engine.submit, slots=self.engine.max_batch_size, budget=self.limits.budget)
-        # one thread: tokenizing never blocks the event loop, and the tokenizer is never used by two at once
-        self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="relayrl-serve-tokenize")
-
-    def submit(self, jobs: list[tuple[list[int], SamplingParams, str | None]]) -> list[asyncio.Future]:
-        """Queue one request's samples (see `relayrl.serve.admission`). Submitted now, not when an awaiting
-        task first runs: once `closing` is set no request can slip in after the shutdown's abort."""
-        self.check_open()
-        return self.admission.run(jobs)
-
-    def generate(self, prompt: list[int], params: SamplingParams, rid: str | None = None) -> asyncio.Future:
-        return self.submit([(prompt, params, rid)])[0]
-
-    async def in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
-
-    async def tokenize(self, texts: list[str]) -> list[list[int]]:
-        return await self.in_tokenizer_thread(lambda: [self.tokenizer(t)["input_ids"] for t in texts])
-
-    async def abort(self, rid: str | None = None) -> int:
-        """Abort the trajectory `rid` (all if None): what waits in the server's queue, then what runs."""
-        return self.admission.abort(rid) + await asyncio.to_thread(self.engine.abort, rid)
-
-    def num_requests(self) -> int:
-        return self.engine.num_running() + self.admission.queued()
-
-    def check_open(self) -> None:
-        if self.closing:
-            raise HTTPException(status_code=503, detail="server is shutting down")
-
-    def close(self) -> None:
-        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+from relayrl.serve.weights_dist import weight_routes
 
 
 # ---- responses ------------------------------------------------------------------------------------------
@@ -200,8 +147,6 @@ def native_router(state: ServerState) -> APIRouter:
     async def flush_cache(request: Request, body: Any) -> Any:
         await asyncio.to_thread(engine.flush_cache)
         return {"success": True, "message": "cache flushed"}
-
-    from relayrl.serve.weights_dist import weight_routes  # imports this module: loaded here, not at the top
 
     for fn in (generate, update_weights_from_disk, pause_generation, continue_generation, abort_request,
                flush_cache, *weight_routes(state)):

@@ -8,13 +8,13 @@ at start (before the model is loaded) unless --insecure says that is intended.
 
 from __future__ import annotations
 
-import ipaddress
 import secrets
-import socket
 from collections.abc import Callable
 from pathlib import Path
 
 from fastapi import HTTPException, Request
+
+from relayrl.common.net import is_loopback
 
 
 def key_check(api_key: str | None) -> Callable[[Request], None]:
@@ -27,21 +27,6 @@ def key_check(api_key: str | None) -> Callable[[Request], None]:
             raise HTTPException(status_code=401, detail="invalid API key (send 'Authorization: Bearer KEY')")
 
     return check
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (an address or a name) reaches this machine only. A name counts when every address it
-    resolves to is loopback; one that does not resolve does not count (the bind will fail anyway)."""
-    host = host.strip("[]")
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except OSError:
-        return False
-    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
 def exposure_error(host: str, api_key: str | None, insecure: bool) -> str | None:

@@ -45,11 +45,14 @@ from fastapi import FastAPI
 from relayrl.agents.tool import parse_tool_calls, tools_system_prompt
 from relayrl.common.hardware import resolve_dtype
 from relayrl.engine.base import GenOutput, SamplingParams
+from relayrl.engine.local import LocalEngine
+from relayrl.models import load_tokenizer, resolve_model_path
 from relayrl.serve import openai_params
 from relayrl.serve.limits import ServerLimits
-from relayrl.serve.native import ServerState, health, native_router
+from relayrl.serve.native import health, native_router
 from relayrl.serve.openai_api import chat_response, make_openai_app
 from relayrl.serve.security import ServeRefused, check_options
+from relayrl.serve.state import ServerState
 from relayrl.tools import Tool
 
 
@@ -260,9 +263,6 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, dtype: str 
           options: ServeOptions | None = None) -> None:
     """Load `model` (a folder or an alias) and serve it until SIGTERM / SIGINT. Port 0 picks a free port
     (the ready line tells which). ServeRefused when the options do not allow starting."""
-    from relayrl.engine.local import LocalEngine
-    from relayrl.models import load_tokenizer, resolve_model_path
-
     options = options or ServeOptions()
     weights_root = check_options(host, options.api_key, options.insecure, options.weights_root)
     path = resolve_model_path(model)

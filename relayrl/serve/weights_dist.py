@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse
 
 from relayrl.serve.errors import BadRequest, log_error
 from relayrl.serve.limits import number
-from relayrl.serve.native import ServerState
+from relayrl.serve.state import ServerState
 from relayrl.serve.weights_disk import weight_version
 from relayrl.weights.weight_group import DEFAULT_GROUP, WeightGroup, on_daemon_thread, parse_dtype
 

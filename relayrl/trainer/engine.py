@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from relayrl.common.device import model_device
+from relayrl.models import load_model
 from relayrl.trainer.algo import reduce_stats
 from relayrl.trainer.logprobs import token_logprobs
 from relayrl.trainer.lora import adapter_tensors, is_lora
@@ -55,8 +56,6 @@ class TrainEngine:
         """`lora`: settings with lora_rank > 0 (ModelConfig) wrap the model with peft, so that only the
         adapters are trainable and in the optimizer (relayrl.trainer.lora). `device`: where the model loads
         (relayrl.common.device.resolve_device; None: the CPU)."""
-        from relayrl.models import load_model
-
         model = load_model(path, dtype=dtype, device=device)
         if lora is not None and lora.lora_rank > 0:
             model = wrap_lora(model, lora)

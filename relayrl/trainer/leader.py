@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relayrl.run.checkpoint_dist import load_shards, save_shards
 from relayrl.trainer.controller import TrainController
+from relayrl.trainer.shards import load_shards, save_shards
 
 
 def _send(command: str, payload: Any = None) -> None:

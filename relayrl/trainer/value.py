@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from relayrl.common.device import model_device
+from relayrl.models import load_model
 from relayrl.trainer.algo import reduce_stats
 from relayrl.trainer.engine import clip_and_step
 from relayrl.trainer.packer import MicroBatch
@@ -59,8 +60,6 @@ class Critic:
     def from_pretrained(cls, path: str, *, dtype: str | torch.dtype = "float32",
                         device: str | torch.device | None = None, **kwargs) -> Critic:
         """The backbone of the causal LM at `path` (its LM head is dropped) with a fresh value head, on `device`."""
-        from relayrl.models import load_model
-
         lm = load_model(path, dtype=dtype, device=device)
         return cls(ValueModel(lm.get_decoder(), lm.config.hidden_size), **kwargs)
 

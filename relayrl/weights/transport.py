@@ -23,6 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from relayrl.common.utils import atomic_write_text
+from relayrl.models.store import atomic_build
+from relayrl.weights.weight_group import WeightGroup
 
 Named = Iterable[tuple[str, torch.Tensor]]
 Apply = Callable[[Named, int], None]
@@ -34,8 +36,6 @@ def save_weights_version(root: Path, named_tensors: Named, version: int) -> Path
     Tensors that share storage (tied weights) are cloned: safetensors refuses to save shared storage.
     A folder left by an earlier run under the same version is replaced: the version sent now is the truth.
     """
-    from relayrl.models import atomic_build
-
     tensors, seen = {}, set()
     for name, t in named_tensors:
         t = t.detach().to("cpu").contiguous()
@@ -162,8 +162,6 @@ class DistReceiver:
 
 def _group(address: str, rank: int, world: int):
     """A gloo group of its own at host:port; a peer that died leaves the other waiting at most 300 s."""
-    from relayrl.weights.weight_group import WeightGroup
-
     host, port = address.rsplit(":", 1)
     return WeightGroup(host, int(port), rank=rank, world_size=world, backend="gloo", group_name="relayrl-transport",
                        timeout=300.0)

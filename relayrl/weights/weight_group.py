@@ -25,14 +25,21 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from relayrl.engine.remote import RemoteEngine
+from relayrl.common.net import free_port
+
+
+class Member(Protocol):
+    """What the group needs of an inference server's client (relayrl.engine.remote.RemoteEngine)."""
+
+    address: str
+
+    def post_async(self, path: str, body: dict, *, timeout: float) -> concurrent.futures.Future: ...
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
@@ -178,7 +185,7 @@ class DistributedSync:
     def __init__(self, backend: str = "auto", *, timeout: float = 600.0):
         resolve_backend(backend)  # fail on a bad name now, not at the first update
         self.backend, self.timeout = backend, timeout
-        self.members: list[RemoteEngine] = []
+        self.members: list[Member] = []
         self.group_name: str | None = None
         self._group: WeightGroup | None = None
         self._round: tuple[int, set[int]] | None = None  # (version, members not yet called for it)
@@ -186,13 +193,13 @@ class DistributedSync:
         self._lock = threading.Lock()
         self._closed = False
 
-    def attach(self, engine: RemoteEngine) -> None:
+    def attach(self, engine: Member) -> None:
         with self._lock:
             if self._group is not None:
                 raise RuntimeError("the weight group is already formed: attach every engine before the first update")
             self.members.append(engine)
 
-    def update(self, engine: RemoteEngine, named_tensors: Named, version: int) -> None:
+    def update(self, engine: Member, named_tensors: Named, version: int) -> None:
         """Called by each member's update_weights; see the class docstring."""
         with self._lock:
             if self._closed:
@@ -210,8 +217,6 @@ class DistributedSync:
             self._round = (version, set(range(len(self.members))) - {me})
 
     def _form_group(self) -> None:
-        from relayrl.run.launcher import free_port
-
         backend = resolve_backend(self.backend)
         host = urlsplit(self.members[0].address).hostname or "127.0.0.1"
         address, port, world = local_address_toward(host), free_port(""), 1 + len(self.members)

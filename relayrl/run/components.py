@@ -1,0 +1,71 @@
+"""`Components`: what a built run is made of, and the few things done to it as a whole (save, close)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from relayrl.config.schema import Config
+from relayrl.models import save_pretrained_atomic
+from relayrl.run.launcher import ManagedServer
+from relayrl.run.sources import RolloutSource
+from relayrl.tracking.metrics import MetricsLogger
+from relayrl.tracking.trajectories import TrajectoryLogger
+from relayrl.trainer.controller import TrainController
+from relayrl.trainer.lora import is_lora, merged_state_dict
+
+
+@dataclass
+class Components:
+    """A run for one role (see `relayrl.run.build.build`): the trainer side, and a `RolloutSource` for the rest.
+
+    `rollouts` is in-process (`InProcessRollouts`) or a producer process (`ProducerHandle`); the loops and
+    checkpointing only use its protocol. `rollout_ctl`, `env`, `data` and `judge` reach into an in-process
+    source for tests and benches (None for a producer process's trainer)."""
+
+    cfg: Config
+    run_dir: Path
+    tokenizer: object
+    rollouts: RolloutSource
+    train_ctl: TrainController | None  # None when only evaluating
+    logger: MetricsLogger | None  # None in a producer process: the trainer logs
+    trajectories: TrajectoryLogger | None = None
+    servers: list[ManagedServer] = field(default_factory=list)  # inference servers this run launched
+    step: int = 0  # the last finished training step: a resumed run continues after it
+
+    @property
+    def rollout_ctl(self):
+        return getattr(self.rollouts, "rollout_ctl", None)
+
+    @property
+    def env(self):
+        return getattr(self.rollouts, "env", None)
+
+    @property
+    def data(self):
+        return getattr(self.rollouts, "data", None)
+
+    @property
+    def judge(self):
+        return getattr(self.rollouts, "judge", None)
+
+    def save_model(self, path: Path) -> Path:
+        """Write the trained policy as a plain HF folder (loads with from_pretrained), atomically."""
+        model = self.train_ctl.engine.model
+        if is_lora(model):  # LoRA: the adapters merged into the base weights, no peft needed to load it
+            return save_pretrained_atomic(model.get_base_model(), self.tokenizer, path,
+                                          state_dict=merged_state_dict(model))
+        full = getattr(self.train_ctl, "full_state_dict", None)  # FSDP: gather the shards (all ranks take part)
+        return save_pretrained_atomic(model, self.tokenizer, path, state_dict=full() if full else None)
+
+    def close(self) -> None:
+        """Release everything, rollouts first (they may be using the rest), each part even if another fails."""
+        parts = [self.rollouts.close, self.logger and self.logger.close, *(s.stop for s in self.servers)]
+        errors = []
+        for close in filter(None, parts):
+            try:
+                close()
+            except Exception as e:  # noqa: PERF203 - one failure must not leak the other processes
+                errors.append(e)
+        if errors:
+            raise errors[0]

@@ -1,0 +1,158 @@
+"""Where a run's rollouts come from, behind one protocol, so the training loops and checkpointing never ask which.
+
+Two sources exist: `InProcessRollouts` (engines, agents, judge and prompts in the trainer's process; synchronous
+or with an asynchronous producer thread) and `relayrl.run.producer.ProducerHandle` (a separate producer
+process, scheduler.placement=separate). The loop asks a source for the next batch, hands it the trained
+weights, and asks it to evaluate; a checkpoint pauses it and stores its `state_dict()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from relayrl.agents.base import Agent
+from relayrl.common.utils import trim_memory
+from relayrl.config.schema import Config
+from relayrl.data.manager import DataManager
+from relayrl.engine.rollout import RolloutController
+from relayrl.judge import Judge
+from relayrl.run.env import Env
+from relayrl.run.evaluator import Evaluator
+from relayrl.sample import Sample
+from relayrl.scheduler import AsyncScheduler
+
+
+class RolloutSource(Protocol):
+    """What the loops and checkpointing need from the rollout side, wherever it runs."""
+
+    def start(self) -> None:
+        """Begin producing ahead of the trainer (asynchronous runs); a no-op where nothing runs ahead."""
+
+    def stop(self) -> None:
+        """Stop producing ahead (the counterpart of `start`)."""
+
+    def next_batch(self, version: int) -> tuple[list[Sample], dict[str, float]]:
+        """The next training batch for a trainer at `version`, and the rollout metrics of producing it."""
+
+    def push_weights(self, train_ctl: Any) -> None:
+        """Give the engines the trainer's current weights, stamped with its version."""
+
+    def release_memory(self) -> int:
+        """Give back engine memory the trainer can use until the next `push_weights`; bytes freed."""
+
+    def evaluate(self) -> dict[str, float]:
+        """Generate and score the held-out set with the current weights (empty if there is none)."""
+
+    def paused(self) -> contextlib.AbstractContextManager:
+        """A context in which `state_dict()` is consistent (nothing draws prompts meanwhile)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue exactly: data position, scheduler counters, engine RNGs."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output into a freshly built source."""
+
+    def close(self) -> None:
+        """Release every process and thread the source started."""
+
+
+@dataclass
+class InProcessRollouts:
+    """Engines, agents, judge and prompts in this process (seed 002's colocated and async-in-one-process modes)."""
+
+    cfg: Config
+    rollout_ctl: RolloutController
+    judge: Judge
+    env: Env
+    data: DataManager | None  # None when only evaluating
+    eval_agent: Agent | None = None
+    eval_data: DataManager | None = None
+    evaluator: Evaluator = field(default_factory=Evaluator)
+
+    @property
+    def asynchronous(self) -> bool:
+        return isinstance(self.env.scheduler, AsyncScheduler)
+
+    def start(self) -> None:
+        if self.asynchronous:
+            self.env.start_producer(self.data)
+
+    def stop(self) -> None:
+        if self.asynchronous:
+            self.env.stop_producer()
+
+    def next_batch(self, version: int) -> tuple[list[Sample], dict[str, float]]:
+        if self.asynchronous:  # the producer thread runs ahead: take what is fresh enough
+            return self.env.get_batch(self.data, version)
+        metrics = self.env.produce_batch(self.data, self.cfg.data.batch_size)
+        return self.data.get_batch(), metrics
+
+    def push_weights(self, train_ctl: Any) -> None:
+        train_ctl.sync_weights(self.rollout_ctl)
+        self.env.notify_version()
+
+    def release_memory(self) -> int:
+        """Colocated sync RL: the engines here idle until the weight sync, so their KV cache and weights (not
+        LoRA base weights: only adapters are synced) make room for training (engine.release_during_train)."""
+        if self.asynchronous or not self.cfg.engine.release_during_train:
+            return 0
+        freed = self.rollout_ctl.release_memory(weights=not self.cfg.model.lora_rank)
+        trim_memory()
+        return freed
+
+    def evaluate(self) -> dict[str, float]:
+        if self.eval_data is None:
+            return {}
+        self.eval_data.reset()
+        stats = self.env.produce_batch(self.eval_data, len(self.eval_data), agent=self.eval_agent)
+        metrics = self.evaluator.evaluate(self.eval_data.get_batch())
+        return metrics | {"eval/rejected": stats.get("judge/rejected", 0.0)}  # not in the eval means: visible here
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Async: stop the producer thread and requeue what it generated but nobody trained (so the data state
+        counts every drawn prompt as trained or still to generate), then start it again. Sync: nothing runs."""
+        if not self.asynchronous or not self.env.producing:
+            yield
+            return
+        self.stop()
+        try:
+            for group in self.data.replay_buffer.take():
+                self.data.requeue(group[0].data)
+                self.env.scheduler.manager.on_expire()
+            yield
+        finally:
+            self.start()
+
+    def _engines(self) -> list:
+        return [e for e in self.rollout_ctl.engines if hasattr(e, "rng_state")]
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"data": self.data.state_dict(), "engines": [e.rng_state() for e in self._engines()]}
+        if self.asynchronous:  # groups trained so far: the base of the staleness admission rule
+            manager = self.env.scheduler.manager
+            state["async"] = {"accepted": manager.accepted, "stats": dict(self.env.scheduler.stats)}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.data.load_state_dict(state["data"])
+        for engine, s in zip(self._engines(), state.get("engines", [])):
+            engine.set_rng_state(s)
+        if self.asynchronous and "async" in state:
+            self.env.scheduler.manager.accepted = state["async"]["accepted"]
+            self.env.scheduler.stats.update(state["async"]["stats"])
+
+    def close(self) -> None:
+        """Release each part even if another fails (the scheduler thread first: it uses the rest)."""
+        errors = []
+        for close in (self.env.close, self.rollout_ctl.close, self.judge.close):
+            try:
+                close()
+            except Exception as e:  # noqa: PERF203 - one failure must not leak the other processes
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
