@@ -54,7 +54,7 @@ def extra_distributions(metadata: str) -> set[str]:
     """The distributions only the extras require (relayrl's own extras, which `dev` names, aside)."""
     names = {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower()
              for r in re.findall(r"^Requires-Dist: (.+)$", metadata, re.M) if "extra ==" in r}
-    return names - {"relayrl", "pytest", "pytest-timeout", "ruff", "hypothesis"}
+    return names - {"relayrl", "pytest", "pytest-timeout", "ruff", "hypothesis", "setuptools"}
 
 
 def _site_view(view: Path, leave_out: set[str]) -> None:
