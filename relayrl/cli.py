@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
+import platform
 import subprocess
 import sys
+from pathlib import Path
 
+from relayrl import __version__
 from relayrl.common.utils import InputError
 from relayrl.config import ConfigError
+
+SERVE_EXTRA = ("uvicorn",)  # the packages of the `serve` extra (pyproject.toml): the HTTP server
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -106,7 +112,13 @@ def _serve(args: argparse.Namespace) -> int:
     except ServeRefused as e:
         print(f"relayrl serve: {e}", file=sys.stderr)
         return 2
-    from relayrl.serve.server import ServeOptions, serve
+    try:
+        from relayrl.serve.server import ServeOptions, serve
+    except ModuleNotFoundError as e:
+        if e.name not in SERVE_EXTRA:
+            raise
+        print(f"relayrl serve: needs the {e.name} package: pip install 'relayrl[serve]'", file=sys.stderr)
+        return 2
 
     options = ServeOptions(api_key=args.api_key, insecure=args.insecure, weights_root=args.weights_root,
                            max_n=args.max_n, max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
@@ -118,6 +130,30 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"relayrl serve: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def version_line() -> str:
+    """`relayrl --version`: this relayrl, where it was imported from (a checkout or an installed wheel: the first
+    thing to know about a bug report), and the torch and Python it runs on. torch's version comes from its
+    metadata, so the line prints without the seconds of importing torch."""
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    where = Path(__file__).resolve().parent
+    return f"relayrl {__version__} from {where} (torch {torch_version}, python {platform.python_version()})"
+
+
+class _VersionAction(argparse.Action):
+    """Like argparse's "version" action, but the line is built only when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(version_line())
+        parser.exit()
 
 
 def _positive(text: str) -> int:
@@ -155,6 +191,7 @@ def _serve_parser(sv: argparse.ArgumentParser) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="relayrl", description="RL training for LLM agents")
+    p.add_argument("--version", action=_VersionAction, help="print relayrl's version, torch's and python's, and exit")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a policy from a YAML config")
     t.add_argument("--config", help="YAML config file (see examples/)")
