@@ -1,67 +1,46 @@
 """`ToolAgent`: multi-turn tool calling in the chat template's tool format.
 
-The model calls a tool by writing `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes /
-Qwen format, which templates with tool support also describe in their system prompt). The agent runs
-each call -- the built-in `python` tool in a bwrap sandbox, `calculator` in-process -- appends the
-results as `tool` messages (token ids of the template text, nothing re-encoded), and lets the model go on
-until it answers without a tool call or `max_turns` is reached. A malformed call gets an error message
-back as its tool result, never an exception. The judge scores the final answer.
+The model calls tools in the format its chat template uses (`relayrl/agents/toolcall_formats.py`): Hermes/Qwen
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Llama 3 JSON `{"name": ..., "parameters": {...}}`,
+or Mistral `[TOOL_CALLS] [...]`; `tool_format: auto` (the default) reads it off the template. Templates without
+tool support get a system prompt that describes the chosen format. The agent runs each call -- the built-in
+`python` tool in a bwrap sandbox, `calculator` in-process -- appends the results as `tool` messages (token ids
+of the template text, nothing re-encoded), and lets the model go on until it answers without a tool call or
+`max_turns` is reached. A malformed call gets an error message back as its tool result, never an exception.
+The judge scores the final answer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import re
+import logging
 from typing import Any
 
 from relayrl.agents.base import Agent
 from relayrl.agents.chat import continuation_ids, end_of_turn_id
+from relayrl.agents.toolcall_formats import FORMATS, call_id, parse_hermes, resolve_format
 from relayrl.sample import Sample, Status
 from relayrl.tools import BUILTIN_TOOLS, Tool
 
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 DEFAULT_INSTRUCTION = "\nUse a tool when it helps. Put your final answer within \\boxed{}."
+log = logging.getLogger(__name__)
+_logged: set[tuple[str, str]] = set()
 
 
 def parse_tool_calls(text: str) -> list[dict[str, Any] | str]:
-    """Tool calls in a turn: {"name", "arguments"} dicts, or an error string for a malformed one."""
-    calls: list[dict[str, Any] | str] = []
-    for body in _CALL.findall(text):
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as e:
-            calls.append(f"error: tool call is not valid JSON ({e.msg} at char {e.pos})")
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            calls.append('error: a tool call must be {"name": ..., "arguments": {...}}')
-            continue
-        args = call.get("arguments", {})
-        if isinstance(args, str):  # some models send arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                args = {}
-        calls.append({"name": call["name"], "arguments": args if isinstance(args, dict) else {}})
-    return calls
+    """Hermes tool calls in a turn: {"name", "arguments"} dicts, or an error string for a malformed one."""
+    return parse_hermes(text)
 
 
 def tools_system_prompt(tools: list[Tool]) -> str:
-    """A system prompt describing the tools, for chat templates that have no tool support of their own."""
-    lines = ["You can call tools. To call one, write on its own line:",
-             '<tool_call>{"name": "TOOL_NAME", "arguments": {"ARG": "VALUE"}}</tool_call>',
-             "The result comes back in a tool message. Available tools:"]
-    for t in tools:
-        args = ", ".join(t.parameters.get("properties", {}))
-        lines.append(f"- {t.name}({args}): {t.description}")
-    lines.append("When you know the answer, reply without a tool call.")
-    return "\n".join(lines)
+    """A system prompt describing the tools in the hermes format, for templates without tool support."""
+    return FORMATS["hermes"].system_prompt(tools)
 
 
 class ToolAgent(Agent):
     def __init__(self, rollout_ctl, tokenizer, sampling, judge=None, *, tools: list[str] | None = None,
                  max_turns: int = 4, tool_timeout: float = 10.0, instruction: str = DEFAULT_INSTRUCTION,
-                 tool_options: dict[str, dict[str, Any]] | None = None):
+                 tool_options: dict[str, dict[str, Any]] | None = None, tool_format: str = "auto"):
         super().__init__(rollout_ctl, tokenizer, sampling, judge)
         names = tools or ["python", "calculator"]
         unknown = [n for n in names if n not in BUILTIN_TOOLS]
@@ -69,17 +48,41 @@ class ToolAgent(Agent):
             raise ValueError(f"agent.kwargs.tools: unknown tools {unknown}; built-in: {sorted(BUILTIN_TOOLS)}")
         self.tools = {n: BUILTIN_TOOLS[n](**(tool_options or {}).get(n, {})) for n in names}
         self.max_turns, self.tool_timeout, self.instruction = max_turns, tool_timeout, instruction
+        self.template = getattr(tokenizer, "chat_template", "") or ""
+        self.format, why = resolve_format(tool_format, self.template)
+        if (self.format.name, why) not in _logged:  # agents are built per worker: say it once per process
+            _logged.add((self.format.name, why))
+            log.info("tool-call format %s (%s)", self.format.name, why)
         self.eot = end_of_turn_id(tokenizer)
-        self.native_tools = "tools" in (getattr(tokenizer, "chat_template", "") or "")
+        vocab = tokenizer.get_vocab()
+        self.turn_ends = {self.eot} | {vocab[t] for t in self.format.turn_end_tokens if t in vocab}
+        self.native_tools = "tools" in self.template
         self._schemas = [t.schema() for t in self.tools.values()] if self.native_tools else None
+
+    @classmethod
+    def check_kwargs(cls, kwargs: dict[str, Any]) -> None:
+        """Before any model loads: an unknown agent.kwargs.tool_format fails the run at start-up."""
+        resolve_format(kwargs.get("tool_format", "auto"), None)
 
     def prompt_ids(self, row: dict[str, Any]) -> list[int]:
         tools = list(self.tools.values())
-        msgs = [] if self.native_tools else [{"role": "system", "content": tools_system_prompt(tools)}]
+        msgs = [] if self.native_tools else [{"role": "system", "content": self.format.system_prompt(tools)}]
         msgs.append({"role": "user", "content": row["question"] + self.instruction})
         kw = {"tools": self._schemas} if self._schemas else {}
         text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def calls_text(self, ids: list[int]) -> str:
+        """The text a turn's calls are parsed from: with special tokens where the format's marker is one."""
+        if not self.format.keep_special:
+            return self.decode(ids)
+        end = len(ids) - 1 if ids and ids[-1] in self.turn_ends else len(ids)
+        return self.tokenizer.decode(ids[:end], skip_special_tokens=False)
+
+    def result_ids(self, results: list[str], ids: list[str]) -> list[int]:
+        """Template token ids that hand a turn's tool results back and open the next assistant turn."""
+        msgs = self.format.tool_messages(results, ids, self.template)
+        return continuation_ids(self.tokenizer, msgs, self._schemas)
 
     async def run_call(self, call: dict[str, Any] | str) -> tuple[str, bool]:
         """(result text, ok) of one parsed call; every failure is a message for the model."""
@@ -103,16 +106,17 @@ class ToolAgent(Agent):
             out = await self.rollout_ctl.generate(sample.input_ids, self.params_for(sample, turn), rid=sample.uid)
             sample.append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason)
             final_text = self.decode(out.output_ids)
-            calls = parse_tool_calls(final_text)
+            calls = self.format.parse(self.calls_text(out.output_ids))
             if not calls or turn + 1 == self.max_turns:
                 break
             results = [await self.run_call(c) for c in calls]
             n_calls += len(results)
             n_errors += sum(not ok for _, ok in results)
-            if out.output_ids[-1] != self.eot:
+            if out.output_ids[-1] not in self.turn_ends:
                 sample.append_context([self.eot])
-            msgs = [{"role": "tool", "content": text} for text, _ in results]
-            sample.append_context(continuation_ids(self.tokenizer, msgs, self._schemas))
+            ids = [(c.get("id") if isinstance(c, dict) else None) or call_id(sample.uid, turn, i)
+                   for i, c in enumerate(calls)]
+            sample.append_context(self.result_ids([text for text, _ in results], ids))
         if self.judge is not None:
             reward, metrics, error = await self.judge.score(final_text, sample.data, sample.uid)
             sample.reward, sample.error = reward, error

@@ -101,6 +101,8 @@ def _check_agent_kwargs(agent_cls: type[Agent], kwargs: dict) -> None:
         if name not in named:
             hint = f"its options are {', '.join(named)}" if named else "it takes no options"
             raise ConfigError(f"unknown option for agent {agent_cls.__name__}; {hint}", key=f"agent.kwargs.{name}")
+    if callable(check := getattr(agent_cls, "check_kwargs", None)):
+        check(kwargs)  # the agent's own check of its option values (raises InputError naming the key)
 
 
 def sampling_params(cfg: Config, temperature: float | None = None) -> SamplingParams:
