@@ -190,17 +190,27 @@ class SamplingConfig:
 
 @dataclass
 class DatasetConfig:
-    # "gsm8k:train" | "reasoning_gym:<task>" | a .jsonl/.json file | "package.module:function"
+    # "gsm8k:train|test" (shipped) | "reasoning_gym:<task>" | a file (.jsonl/.json, optionally .gz/.xz/.bz2;
+    # .parquet/.csv/.tsv/.arrow) or a folder of such files or a save_to_disk folder | a Hugging Face hub id
+    # "org/name" (or "hf:org/name") read from the local HF cache, never downloaded | "package.module:function"
     source: str = ""
+    subset: str | None = None  # hub id / folder: the dataset config ("main" for openai/gsm8k); None: the default
+    split: str | None = None  # hub id / folder: the split to read (e.g. train, test); None: the only split
     size: int | None = None  # rows to use (reasoning_gym: rows to generate)
     seed: int = 0  # reasoning_gym generation seed
     kwargs: dict[str, Any] = field(default_factory=dict)  # reasoning_gym / function arguments
-    prompt_key: str = "question"  # the row field holding the prompt text
+    columns: dict[str, str] = field(default_factory=dict)  # rename row fields first, {old: new}
+    map: str | None = None  # "package.module:function" applied to each row after `columns` (None return: drop it)
+    prompt_key: str = "question"  # the row field holding the prompt text (after columns and map)
     answer_key: str = "answer"  # the row field holding the reference answer (passed to the reward)
 
     def validate(self) -> None:
         check(bool(self.source), "source", "is required (e.g. gsm8k:train, reasoning_gym:basic_arithmetic)")
         check(self.size is None or self.size >= 1, "size", "must be >= 1")
+        check(self.map is None or ":" in self.map, "map", "must look like 'package.module:function'")
+        for key in ("subset", "split"):
+            check(getattr(self, key) is None or not self.source.startswith(("gsm8k:", "reasoning_gym:")), key,
+                  "applies to hub ids and data folders only (gsm8k:<split> names its split)")
 
 
 @dataclass
