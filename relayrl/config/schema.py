@@ -74,7 +74,7 @@ PresetName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_ba
 
 @dataclass
 class ModelConfig:
-    path: str = "smollm2"  # a local HF folder, or an alias prepared on first use (smollm2)
+    path: str = "smollm2"  # a local HF folder, an alias prepared on first use (smollm2), or a cached hub id org/name
     # the trainer's weights (and AdamW state): fp32 is the safe default
     train_dtype: Literal["float32", "bfloat16"] = "float32"
     # bf16 autocast for trainer forward/backward (fp32 master weights); auto: on when the engine runs bf16
