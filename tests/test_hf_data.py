@@ -22,7 +22,7 @@ from relayrl.config import ConfigError
 from relayrl.config.schema import DatasetConfig, load_run_config
 from relayrl.data import find_gsm8k, load_rows
 from relayrl.data.datasets import BUILTIN_GSM8K, gsm8k_search_path
-from relayrl.models import load_tokenizer, resolve_model_path
+from relayrl.models import load_model, load_tokenizer, resolve_model_path
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = pd.DataFrame({"problem": ["1+1?", "2+3?", "7*6?"], "solution": [2, 5, 42], "level": [1, 1, 3]})
@@ -222,6 +222,12 @@ def test_hub_model_id_resolves_to_the_cached_snapshot(hf_caches, tiny_path, monk
     assert resolve_model_path("tinyorg/Tiny-Qwen2") == str(snapshot)
     tok = load_tokenizer("tinyorg/Tiny-Qwen2")
     assert tok.decode(tok("2+2=4")["input_ids"]) == "2+2=4"
+    assert load_model("tinyorg/Tiny-Qwen2").config.model_type == "qwen2"
+    example = str(REPO / "examples" / "gsm8k_grpo.yaml")  # the config check accepts a cached id
+    assert load_run_config(example, ["model.path=tinyorg/Tiny-Qwen2"]).model.path == "tinyorg/Tiny-Qwen2"
+    with pytest.raises(ConfigError, match=r"model.path: no folder 'tinyorg/Missing', and model 'tinyorg/Missing' "
+                                          r"is not in the local Hugging Face cache"):
+        load_run_config(example, ["model.path=tinyorg/Missing"])
     where = hf_caches / "hub" / "models--tinyorg--Missing"
     with pytest.raises(FileNotFoundError, match=rf"model 'tinyorg/Missing' is not in the local Hugging Face cache "
                                                 rf"\(looked in {where}\).*hf download tinyorg/Missing"):

@@ -92,6 +92,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         from relayrl.models import MODEL_ALIASES
+        from relayrl.models.hub import cached_snapshot, looks_like_repo_id
 
         check(self.lora_rank >= 0, "lora_rank", "must be >= 0 (0: LoRA off)")
         check(self.lora_alpha > 0, "lora_alpha", "must be > 0")
@@ -101,6 +102,11 @@ class ModelConfig:
         if self.path in MODEL_ALIASES:
             return
         p = Path(self.path).expanduser()
+        if not p.exists() and looks_like_repo_id(self.path):  # a hub id: its snapshot in the local HF cache
+            try:
+                p = cached_snapshot(self.path, "model")
+            except FileNotFoundError as e:
+                check(False, "path", f"no folder {self.path!r}, and {e}")
         check(p.is_dir(), "path", f"model folder {self.path!r} does not exist (or use an alias: "
                                   f"{', '.join(MODEL_ALIASES)})")
         check((p / "config.json").is_file(), "path", f"model folder {self.path!r} has no config.json")
