@@ -60,14 +60,6 @@ def test_gsm8k_missing_split_lists_where_it_looked(monkeypatch, tmp_path):
         find_gsm8k("validation")
 
 
-@pytest.mark.skipif(not Path(__file__).resolve().parents[2].joinpath("shared/data/gsm8k/train.jsonl").is_file(),
-                    reason="the shared GSM8K folder is not on this machine")
-def test_real_gsm8k_from_the_shared_folder(monkeypatch):
-    monkeypatch.delenv("RELAYRL_GSM8K_DIR", raising=False)
-    assert len(load_rows(DatasetConfig(source="gsm8k:train"))) == 7473
-    assert len(load_rows(DatasetConfig(source="gsm8k:test"))) == 1319
-
-
 def test_reasoning_gym_task_by_name():
     kw = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"],
           "allow_parentheses": False, "allow_negation": False}

@@ -75,7 +75,7 @@ PresetName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_ba
 
 @dataclass
 class ModelConfig:
-    path: str = "smollm2"  # a local HF folder, or an alias prepared on first use (smollm2)
+    path: str = "smollm2"  # a local HF folder, an alias prepared on first use (smollm2), or a cached hub id org/name
     # the trainer's weights (and AdamW state): fp32 is the safe default
     train_dtype: Literal["float32", "bfloat16"] = "float32"
     # bf16 autocast for trainer forward/backward (fp32 master weights); auto: on when the engine runs bf16
@@ -93,6 +93,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         from relayrl.models import MODEL_ALIASES
+        from relayrl.models.hub import cached_snapshot, looks_like_repo_id
 
         check(self.lora_rank >= 0, "lora_rank", "must be >= 0 (0: LoRA off)")
         check(self.lora_alpha > 0, "lora_alpha", "must be > 0")
@@ -102,6 +103,11 @@ class ModelConfig:
         if self.path in MODEL_ALIASES:
             return
         p = Path(self.path).expanduser()
+        if not p.exists() and looks_like_repo_id(self.path):  # a hub id: its snapshot in the local HF cache
+            try:
+                p = cached_snapshot(self.path, "model")
+            except FileNotFoundError as e:
+                check(False, "path", f"no folder {self.path!r}, and {e}")
         check(p.is_dir(), "path", f"model folder {self.path!r} does not exist (or use an alias: "
                                   f"{', '.join(MODEL_ALIASES)})")
         check((p / "config.json").is_file(), "path", f"model folder {self.path!r} has no config.json")
@@ -189,17 +195,27 @@ class SamplingConfig:
 
 @dataclass
 class DatasetConfig:
-    # "gsm8k:train" | "reasoning_gym:<task>" | a .jsonl/.json file | "package.module:function"
+    # "gsm8k:train|test" (shipped) | "reasoning_gym:<task>" | a file (.jsonl/.json, optionally .gz/.xz/.bz2;
+    # .parquet/.csv/.tsv/.arrow) or a folder of such files or a save_to_disk folder | a Hugging Face hub id
+    # "org/name" (or "hf:org/name") read from the local HF cache, never downloaded | "package.module:function"
     source: str = ""
+    subset: str | None = None  # hub id / folder: the dataset config ("main" for openai/gsm8k); None: the default
+    split: str | None = None  # hub id / folder: the split to read (e.g. train, test); None: the only split
     size: int | None = None  # rows to use (reasoning_gym: rows to generate)
     seed: int = 0  # reasoning_gym generation seed
     kwargs: dict[str, Any] = field(default_factory=dict)  # reasoning_gym / function arguments
-    prompt_key: str = "question"  # the row field holding the prompt text
+    columns: dict[str, str] = field(default_factory=dict)  # rename row fields first, {old: new}
+    map: str | None = None  # "package.module:function" applied to each row after `columns` (None return: drop it)
+    prompt_key: str = "question"  # the row field holding the prompt text (after columns and map)
     answer_key: str = "answer"  # the row field holding the reference answer (passed to the reward)
 
     def validate(self) -> None:
         check(bool(self.source), "source", "is required (e.g. gsm8k:train, reasoning_gym:basic_arithmetic)")
         check(self.size is None or self.size >= 1, "size", "must be >= 1")
+        check(self.map is None or ":" in self.map, "map", "must look like 'package.module:function'")
+        for key in ("subset", "split"):
+            check(getattr(self, key) is None or not self.source.startswith(("gsm8k:", "reasoning_gym:")), key,
+                  "applies to hub ids and data folders only (gsm8k:<split> names its split)")
 
 
 @dataclass

@@ -1,54 +1,81 @@
-"""Prompt datasets: GSM8K files, any JSONL/JSON file, reasoning-gym tasks, or a user function.
+"""Prompt datasets: the shipped GSM8K, JSONL/JSON files, files and folders Hugging Face `datasets` reads
+(parquet, csv, arrow, save_to_disk; `relayrl.data.hf`), hub ids from the local cache, reasoning-gym tasks,
+or a user function.
 
 Every source becomes a list of rows `{"question": str, "answer": str, ...}` validated up front, so
 a malformed row is reported (file, line, missing key) before any model is loaded. Every problem with a
 file (not UTF-8, invalid JSON, a row that is not an object) is an `InputError` naming the file and line,
-which the CLI prints without a traceback.
+which the CLI prints without a traceback. Fields are mapped by `columns` and `map` (`relayrl.data.fields`).
 """
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from relayrl.common.utils import InputError, import_from_path
 from relayrl.config.loader import decode_utf8
 from relayrl.config.schema import DatasetConfig, PromptConfig
+from relayrl.data.fields import map_row, row_function
 
 GSM8K_ENV = "RELAYRL_GSM8K_DIR"
+BUILTIN_GSM8K = Path(__file__).resolve().parent / "builtin" / "gsm8k"
+DECOMPRESS = {".gz": gzip.decompress, ".xz": lzma.decompress, ".bz2": bz2.decompress}
+HF_SUFFIXES = (".parquet", ".csv", ".tsv", ".arrow")  # read through Hugging Face datasets
+Located = tuple[str, Any]  # (where, for errors: 'file:line' / 'file[i]'; the raw row)
 
 
 def gsm8k_search_path() -> list[Path]:
-    """Where GSM8K jsonl files are looked for: $RELAYRL_GSM8K_DIR, the shared data folder, the cache."""
-    repo = Path(__file__).resolve().parents[2]
-    places = [Path(os.environ[GSM8K_ENV])] if os.environ.get(GSM8K_ENV) else []
-    places += [repo.parent / "shared" / "data" / "gsm8k", Path.cwd().parent / "shared" / "data" / "gsm8k",
-               Path.home() / ".cache" / "relayrl" / "data" / "gsm8k"]
-    return places
+    """Where GSM8K splits are looked for: $RELAYRL_GSM8K_DIR, then the copy shipped in the package."""
+    places = [Path(os.environ[GSM8K_ENV]).expanduser()] if os.environ.get(GSM8K_ENV) else []
+    return [*places, BUILTIN_GSM8K]
 
 
 def find_gsm8k(split: str) -> Path:
+    """The first `<split>.jsonl` (plain or .xz/.gz/.bz2) on the search path."""
+    names = [f"{split}.jsonl", *(f"{split}.jsonl{ext}" for ext in DECOMPRESS)]
     for folder in gsm8k_search_path():
-        if (folder / f"{split}.jsonl").is_file():
-            return folder / f"{split}.jsonl"
-    tried = ", ".join(str(p / f"{split}.jsonl") for p in gsm8k_search_path())
-    raise FileNotFoundError(f"GSM8K split {split!r} not found; looked in: {tried}. "
+        for name in names:
+            if (folder / name).is_file():
+                return folder / name
+    tried = ", ".join(str(p / f"{split}.jsonl[.xz]") for p in gsm8k_search_path())
+    raise FileNotFoundError(f"GSM8K split {split!r} not found (splits: train, test); looked in: {tried}. "
                             f"Set {GSM8K_ENV} to the folder holding train.jsonl/test.jsonl.")
 
 
-def _read_file(path: Path) -> list[tuple[str, Any]]:
-    """Rows of a .jsonl or .json file, each with a 'file:line' (or 'file[i]') location for errors."""
+def _read_bytes(path: Path) -> bytes:
+    """The file's bytes, decompressed when it ends in .gz/.xz/.bz2."""
     if not path.is_file():
         raise FileNotFoundError(f"dataset file {path} does not exist")
     try:
-        text = decode_utf8(path.read_bytes())
-    except ValueError as e:  # names the line and column
-        raise InputError(f"{path}: {e}") from None
+        data = path.read_bytes()
     except OSError as e:
         raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
-    if path.suffix == ".json":
+    unpack = DECOMPRESS.get(path.suffix.lower())
+    if unpack is None:
+        return data
+    try:
+        return unpack(data)
+    except (OSError, EOFError, lzma.LZMAError) as e:
+        raise InputError(f"{path}: cannot decompress: {e}") from None
+
+
+def _read_file(path: Path) -> list[Located]:
+    """Rows of a .jsonl or .json file (optionally compressed), each with a 'file:line' (or 'file[i]')
+    location for errors."""
+    raw = _read_bytes(path)
+    try:
+        text = decode_utf8(raw)
+    except ValueError as e:  # names the line and column
+        raise InputError(f"{path}: {e}") from None
+    inner = Path(path.stem) if path.suffix.lower() in DECOMPRESS else path  # d.json.gz is read as d.json
+    if inner.suffix.lower() == ".json":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -77,28 +104,40 @@ def _reasoning_gym(task: str, cfg: DatasetConfig) -> list[tuple[str, Any]]:
             for i, e in enumerate(ds)]
 
 
-def _raw_rows(cfg: DatasetConfig) -> list[tuple[str, Any]]:
+def _raw_rows(cfg: DatasetConfig, key: str) -> Iterable[Located]:
     src = cfg.source
     if src.startswith("gsm8k:"):
         return _read_file(find_gsm8k(src.split(":", 1)[1]))
     if src.startswith("reasoning_gym:"):
         return _reasoning_gym(src.split(":", 1)[1], cfg)
-    if ":" in src and not Path(src).exists():
+    path = Path(src).expanduser()
+    json_file = any(s in (".jsonl", ".json") for s in path.suffixes)
+    if ":" in src and not path.exists() and not src.startswith("hf:"):
         rows = import_from_path(src)(**cfg.kwargs)
         return [(f"{src}[{i}]", row) for i, row in enumerate(rows)]
-    return _read_file(Path(src).expanduser())
+    if path.is_dir() or path.suffix.lower() in HF_SUFFIXES or not (path.exists() or json_file):
+        from relayrl.data import hf  # imports datasets + pyarrow (seconds): only the sources needing them pay
+
+        return hf.hf_rows(cfg, key)
+    return _read_file(path)
 
 
-def load_rows(cfg: DatasetConfig) -> list[dict[str, Any]]:
-    """Load, validate and normalise a dataset to rows with 'question' and 'answer' strings."""
+def load_rows(cfg: DatasetConfig, key: str = "data.train") -> list[dict[str, Any]]:
+    """Load, validate and normalise a dataset to rows with 'question' and 'answer' strings.
+
+    `key` is the config section (data.train / data.eval) that error messages name."""
+    fn = row_function(cfg, key)  # a bad map function fails before any file is read
     out = []
-    for where, row in _raw_rows(cfg):
-        if not isinstance(row, dict):
-            raise InputError(f"{where}: row is a {type(row).__name__}, expected an object")
-        for key in (cfg.prompt_key, cfg.answer_key):
-            if key not in row or row[key] in (None, ""):
-                raise InputError(f"{where}: row has no {key!r} (keys: {sorted(row)}); "
-                                 f"set data.*.prompt_key / answer_key")
+    for where, raw in _raw_rows(cfg, key):
+        if not isinstance(raw, dict):
+            raise InputError(f"{where}: row is a {type(raw).__name__}, expected an object")
+        row = map_row(where, raw, cfg, fn, key)
+        if row is None:
+            continue
+        for field in (cfg.prompt_key, cfg.answer_key):
+            if field not in row or row[field] in (None, ""):
+                raise InputError(f"{where}: row has no {field!r} (keys: {sorted(row)}); "
+                                 f"set {key}.prompt_key / answer_key, or map it with {key}.columns / map")
         out.append({**row, "question": str(row[cfg.prompt_key]), "answer": str(row[cfg.answer_key])})
         if cfg.size is not None and len(out) >= cfg.size:
             break

@@ -1,4 +1,5 @@
-"""Model and tokenizer loading by folder or alias, offline (relayrl never downloads from a model hub)."""
+"""Model and tokenizer loading by folder, alias or hub id, offline (relayrl never downloads from a model hub:
+a hub id is read from the local Hugging Face cache, `relayrl.models.hub`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from transformers import (
 )
 
 from relayrl.common.device import resolve_device
+from relayrl.models.hub import cached_snapshot, looks_like_repo_id
 from relayrl.models.smollm2 import prepare_smollm2, smollm2_dir
 from relayrl.models.store import atomic_build, is_complete
 
@@ -41,10 +43,11 @@ _ALIAS_DIRS: dict[str, Callable[[], Path]] = {"smollm2": smollm2_dir}
 
 
 def resolve_model_path(path_or_alias: str | os.PathLike, prepare: bool = True) -> str:
-    """Turn an alias (prepared on first use) or a model folder into an absolute folder path.
+    """Turn an alias (prepared on first use), a model folder or a hub id into an absolute folder path.
 
     An alias is a bare name in MODEL_ALIASES; a local folder that shares the name is reached as
-    './smollm2'. Hub ids are not downloaded: relayrl runs offline.
+    './smollm2'. A hub id ('org/name' that is not an existing folder) is the snapshot folder in the local
+    Hugging Face cache; it is never downloaded: relayrl runs offline.
     """
     name = os.fspath(path_or_alias)
     if name in MODEL_ALIASES:
@@ -56,9 +59,11 @@ def resolve_model_path(path_or_alias: str | os.PathLike, prepare: bool = True) -
                                     f"call relayrl.models.resolve_model_path({name!r}) to prepare it")
         return str(folder)
     path = Path(name).expanduser().resolve()
+    if not path.exists() and looks_like_repo_id(name):
+        path = cached_snapshot(name, "model")
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist (aliases: {sorted(MODEL_ALIASES)}; "
-                                f"hub ids are not downloaded)")
+                                f"hub ids 'org/name' are read from the local Hugging Face cache)")
     if not path.is_dir():
         raise FileNotFoundError(f"model path {path} is not a directory")
     if not (path / "config.json").is_file():

@@ -132,7 +132,7 @@ def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) 
         torch.set_num_threads(cfg.run.threads)
     # cheap checks first: data, agent class, reward function, output folder
     train_rows = load_rows(cfg.data.train) if role != "eval" else None
-    eval_rows = load_rows(cfg.data.eval)[: cfg.eval.size] if cfg.data.eval else None
+    eval_rows = load_rows(cfg.data.eval, "data.eval")[: cfg.eval.size] if cfg.data.eval else None
     if role == "eval" and not eval_rows:
         raise ConfigError("evaluation needs an eval dataset", key="data.eval")
     agent_cls = check_user_code(cfg)  # before any model loads
