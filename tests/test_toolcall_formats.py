@@ -12,7 +12,15 @@ from test_tool_agent import memorize
 
 from relayrl.agents.chat import continuation_ids
 from relayrl.agents.tool import ToolAgent, parse_tool_calls
-from relayrl.agents.toolcall_formats import (
+from relayrl.cli import main
+from relayrl.common.utils import InputError
+from relayrl.engine.base import SamplingParams
+from relayrl.engine.local import LocalEngine
+from relayrl.engine.rollout import RolloutController
+from relayrl.models import CHATML_TEMPLATE, load_model, load_tokenizer
+from relayrl.run.build import _check_agent_kwargs
+from relayrl.sample import NO_VERSION, Sample
+from relayrl.tools.calls import (
     FORMATS,
     call_id,
     detect_format,
@@ -21,14 +29,6 @@ from relayrl.agents.toolcall_formats import (
     parse_mistral,
     resolve_format,
 )
-from relayrl.build import _check_agent_kwargs
-from relayrl.cli import main
-from relayrl.engine.base import SamplingParams
-from relayrl.engine.local import LocalEngine
-from relayrl.models import CHATML_TEMPLATE, load_model, load_tokenizer
-from relayrl.rollout import RolloutController
-from relayrl.sample import NO_VERSION, Sample
-from relayrl.utils import InputError
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 CALC = {"name": "calculator", "arguments": {"expression": "6*7"}}

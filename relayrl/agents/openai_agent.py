@@ -25,13 +25,13 @@ import openai
 from relayrl.agents.base import Agent
 from relayrl.agents.chat import continuation_ids, end_of_turn_id
 from relayrl.agents.reflection import turn_returns
-from relayrl.agents.tool import parse_tool_calls, tools_system_prompt
 from relayrl.common.utils import import_from_path
 from relayrl.engine.base import GenOutput, SamplingParams
 from relayrl.judge import REJECTED_PREFIX
 from relayrl.sample import Sample, Status
 from relayrl.serve.openai_api import chat_response, make_openai_app
 from relayrl.tools import Tool
+from relayrl.tools.calls import parse_tool_calls, tools_system_prompt
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """`ToolAgent`: multi-turn tool calling in the chat template's tool format.
 
-The model calls tools in the format its chat template uses (`relayrl/agents/toolcall_formats.py`): Hermes/Qwen
+The model calls tools in the format its chat template uses (`relayrl/tools/calls.py`): Hermes/Qwen
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Llama 3 JSON `{"name": ..., "parameters": {...}}`,
 or Mistral `[TOOL_CALLS] [...]`; `tool_format: auto` (the default) reads it off the template. Templates without
 tool support get a system prompt that describes the chosen format. The agent runs each call -- the built-in
@@ -18,23 +18,13 @@ from typing import Any
 
 from relayrl.agents.base import Agent
 from relayrl.agents.chat import continuation_ids, end_of_turn_id
-from relayrl.agents.toolcall_formats import FORMATS, call_id, parse_hermes, resolve_format
 from relayrl.sample import Sample, Status
-from relayrl.tools import BUILTIN_TOOLS, Tool
+from relayrl.tools import BUILTIN_TOOLS
+from relayrl.tools.calls import call_id, resolve_format
 
 DEFAULT_INSTRUCTION = "\nUse a tool when it helps. Put your final answer within \\boxed{}."
 log = logging.getLogger(__name__)
 _logged: set[tuple[str, str]] = set()
-
-
-def parse_tool_calls(text: str) -> list[dict[str, Any] | str]:
-    """Hermes tool calls in a turn: {"name", "arguments"} dicts, or an error string for a malformed one."""
-    return parse_hermes(text)
-
-
-def tools_system_prompt(tools: list[Tool]) -> str:
-    """A system prompt describing the tools in the hermes format, for templates without tool support."""
-    return FORMATS["hermes"].system_prompt(tools)
 
 
 class ToolAgent(Agent):

@@ -42,7 +42,6 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from relayrl.agents.tool import parse_tool_calls, tools_system_prompt
 from relayrl.common.hardware import resolve_dtype
 from relayrl.engine.base import GenOutput, SamplingParams
 from relayrl.engine.local import LocalEngine
@@ -54,6 +53,7 @@ from relayrl.serve.openai_api import chat_response, make_openai_app
 from relayrl.serve.security import ServeRefused, check_options
 from relayrl.serve.state import ServerState
 from relayrl.tools import Tool
+from relayrl.tools.calls import parse_tool_calls, tools_system_prompt
 
 
 def _openai_tool_calls(text: str) -> list[dict[str, Any]]:

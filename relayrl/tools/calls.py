@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from relayrl.common.utils import InputError
 from relayrl.tools import Tool
-from relayrl.utils import InputError
 
 Call = dict[str, Any] | str  # a parsed call, or an error message for the model
 BAD_CALL = 'error: a tool call must be {"name": ..., "arguments": {...}}'
@@ -204,3 +204,13 @@ def resolve_format(name: str, template: str | None) -> tuple[ToolCallFormat, str
         detected, why = detect_format(template)
         return FORMATS[detected], f"auto: {why}"
     return FORMATS[name], "set by agent.kwargs.tool_format"
+
+
+def parse_tool_calls(text: str) -> list[dict[str, Any] | str]:
+    """Hermes tool calls in a turn: {"name", "arguments"} dicts, or an error string for a malformed one."""
+    return parse_hermes(text)
+
+
+def tools_system_prompt(tools: list[Tool]) -> str:
+    """A system prompt describing the tools in the hermes format, for templates without tool support."""
+    return FORMATS["hermes"].system_prompt(tools)
