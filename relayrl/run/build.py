@@ -269,7 +269,7 @@ def _run_folder(cfg: Config, resume: bool) -> tuple[Path, Path | None, Path | bo
 
 
 # what a build writes into a new run folder before training: removed again if the build fails
-_SCAFFOLD = ("config.yaml", "tensorboard", "checkpoints", "weights", ".write_test")
+_SCAFFOLD = ("config.yaml", "tensorboard", "wandb", "mlruns", "checkpoints", "weights", ".write_test")
 
 
 def discard_new_run(run_dir: Path, created: Path | bool) -> None:
@@ -302,7 +302,7 @@ def _build_trainer(cfg: Config) -> Components:
         model_path = resolve_model_path(cfg.model.path)
         tokenizer = load_tokenizer(model_path)
         train_ctl = _train_controller(cfg, model_path, _pad_id(tokenizer, eos_token_ids(tokenizer, model_path)))
-        logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
+        logger = MetricsLogger.for_run(run_dir, cfg)
     except BaseException:
         producer.stop()
         discard_new_run(run_dir, created)
@@ -367,7 +367,7 @@ def _assemble(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge, role:
         eval_agent = agent_cls(rollout_ctl, tokenizer, sampling_params(cfg, cfg.eval.temperature), judge,
                                **cfg.agent.kwargs)
         eval_data = DataManager(eval_rows, prompt_fn, group_size=cfg.eval.n, shuffle=False)
-    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if role != "producer" else None
+    logger = MetricsLogger.for_run(run_dir, cfg) if role != "producer" else None
     trajectories = TrajectoryLogger(run_dir, tokenizer) if cfg.run.log_trajectories and role != "producer" else None
     judge.wait_ready()
     c = Components(cfg, run_dir, tokenizer, rollout_ctl, judge, env, data, train_ctl, logger,
