@@ -1,10 +1,13 @@
 """Trackers for real: each backend writes a few steps into tmp_path and its own reader (EventAccumulator, wandb's
 `leet inspect` of the offline run, MlflowClient on the file store, the JSONL file) must give back the same keys,
-values and steps. Then a real `relayrl train` subprocess on the tiny model with every tracker: the metrics in each."""
+values and steps. Then a real `relayrl train` subprocess on the tiny model with every tracker, its output piped
+(not a terminal): the per-step progress lines, the start block, and the metrics in each tracker."""
 
 import importlib.util
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +19,7 @@ from relayrl.cli import main
 from relayrl.common.utils import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.tracking.metrics import MetricsLogger
+from relayrl.tracking.progress import Progress
 from relayrl.tracking.trackers import PACKAGES, active_trackers, flatten, mlflow_key
 
 # what a run logs: eval at step 0, two training steps, an eval merged into the last step
@@ -157,6 +161,28 @@ def test_unknown_or_uninstalled_trackers_fail_at_config_load(tmp_path, monkeypat
     assert load_run_config(None, ["run.trackers=[jsonl]"]).run.trackers == ["jsonl"]
 
 
+# ---- progress ----------------------------------------------------------------------------------------------------
+def test_progress_line_when_not_a_terminal():
+    out = io.StringIO()
+    p = Progress(0, 30, stream=out)
+    assert not p.live
+    line = p.line(3, {"rollout/reward_mean": 0.41, "rollout/pass_rate": 0.38, "train/kl_ref": 0.00123}, 72.0)
+    assert line == "step 3/30 | 0:01:12 elapsed | ETA 0:10:48 | reward 0.41 | pass 38.0% | kl 0.0012 | 24.0 s/step"
+    resumed = Progress(10, 30, stream=out)  # ETA from the steps this process ran: 2 in 10 s
+    assert "ETA 0:01:30" in resumed.line(12, {}, 10.0)
+    assert list(resumed) == list(range(11, 31))
+    resumed.show(12, {"rollout/reward_mean": 1.0})
+    assert out.getvalue().startswith("step 12/30 | ") and out.getvalue().count("\n") == 1
+
+
+def test_progress_is_a_bar_on_a_terminal():
+    primary, secondary = os.openpty()
+    with os.fdopen(secondary, "w") as tty:
+        p = Progress(0, 2, stream=tty)
+        assert p.live and list(p) == [1, 2]
+    os.close(primary)
+
+
 # ---- a real run -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cli_run(tiny_path, tmp_path_factory):
@@ -175,6 +201,20 @@ def cli_run(tiny_path, tmp_path_factory):
                           capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, tmp / "r", trackers
+
+
+LINE = re.compile(r"^step (\d)/3 \| \d+:\d\d:\d\d elapsed \| ETA \d+:\d\d:\d\d \| reward [-\d.e]+ \| "
+                  r"pass \d+\.\d% \| len [\d.]+ \| .*\d+\.\d s/step$", re.M)
+
+
+def test_cli_prints_one_progress_line_per_step_when_piped(cli_run):
+    proc, run_dir, trackers = cli_run
+    assert [int(m) for m in LINE.findall(proc.stderr)] == [1, 2, 3], proc.stderr[-3000:]
+    assert "\r" not in proc.stderr and "wandb:" not in proc.stderr + proc.stdout  # no bar redraws, no wandb chatter
+    assert proc.stdout.count("precision: engine float32, trainer float32") == 1  # the start block's first line
+    assert f"model: {load_run_config(str(run_dir / 'config.yaml')).model.path}" in proc.stdout
+    assert "data: train 12 prompts, 2 x 2 samples per step; eval 2 prompts x 1; 3 steps" in proc.stdout
+    assert f"outputs: {run_dir} | trackers: jsonl (metrics.jsonl), tensorboard (tensorboard/)" in proc.stdout
 
 
 def test_cli_run_reaches_every_tracker(cli_run):

@@ -240,12 +240,13 @@ def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) 
 def resolve_precision(cfg: Config, quiet: bool = False) -> Config:
     """engine.dtype "auto" -> what this machine runs natively (relayrl.common.hardware); model.autocast_bf16 "auto" ->
     the engine's precision (bf16 autocast when the engine runs bf16), so trainer and engine logprobs agree as
-    closely as they can, on the run's device (run.device). The choice and its reason are printed once; config.yaml
-    records the resolved dtypes (run.device stays as set: "auto" resolves again where the run resumes)."""
+    closely as they can, on the run's device (run.device). The choice and its reason are printed once (the first
+    line of the run's start block, relayrl/tracking/progress.py); config.yaml records the resolved dtypes
+    (run.device stays as set: "auto" resolves again where the run resumes)."""
     device = resolve_device(cfg.run.device)
     dtype, why = resolve_dtype(cfg.engine.dtype, device.type)
     autocast = dtype == "bfloat16" if cfg.model.autocast_bf16 == "auto" else bool(cfg.model.autocast_bf16)
-    if not quiet and "auto" in (cfg.engine.dtype, cfg.model.autocast_bf16, cfg.run.device):
+    if not quiet:
         print(f"precision: engine {dtype}, trainer {cfg.model.train_dtype}{' + bf16 autocast' if autocast else ''} "
               f"on {device} ({why})")
     return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, dtype=dtype),
