@@ -7,12 +7,13 @@ import torch
 from sandbox_helpers import UNAVAILABLE
 
 from relayrl.agents.chat import continuation_ids
-from relayrl.agents.tool import ToolAgent, parse_tool_calls
+from relayrl.agents.tool import ToolAgent
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.engine.rollout import RolloutController
 from relayrl.models import eos_token_ids, load_model, load_tokenizer
 from relayrl.sample import NO_VERSION, Sample
+from relayrl.tools.calls import parse_tool_calls
 
 
 def memorize(model, prefix: list[int], target: list[int], steps: int = 300) -> None:

@@ -11,7 +11,7 @@ from conftest import write_sums
 from test_tool_agent import memorize
 
 from relayrl.agents.chat import continuation_ids
-from relayrl.agents.tool import ToolAgent, parse_tool_calls
+from relayrl.agents.tool import ToolAgent
 from relayrl.cli import main
 from relayrl.common.utils import InputError
 from relayrl.engine.base import SamplingParams
@@ -27,6 +27,7 @@ from relayrl.tools.calls import (
     parse_hermes,
     parse_llama3,
     parse_mistral,
+    parse_tool_calls,
     resolve_format,
 )
 

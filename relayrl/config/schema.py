@@ -16,6 +16,7 @@ from relayrl.common.device import DEVICE_SETTINGS, valid_device_setting
 from relayrl.common.net import check_address
 from relayrl.config.loader import check, fill_missing, load_config
 from relayrl.config.rules import check_rules
+from relayrl.tracking.trackers import DEFAULT_TRACKERS, tracker_problem
 
 
 def _get_int(data: dict[str, Any], section: str, key: str, default: int) -> int | None:
@@ -389,7 +390,12 @@ class RunConfig:
     steps: int = 20  # training steps (optimizer updates per step: train.epochs x train.minibatches)
     seed: int = 0  # seeds sampling, shuffling and initialisation: a run repeats exactly
     output_dir: str = "runs"  # the run writes to output_dir/name
-    tensorboard: bool = True  # also write TensorBoard events (metrics.jsonl is always written)
+    # where metrics go, any of: tensorboard (RUN_DIR/tensorboard), jsonl (RUN_DIR/metrics.jsonl, always written:
+    # resume and plots read it), wandb (offline only, RUN_DIR/wandb), mlflow (RUN_DIR/mlruns); see README Tracking
+    trackers: list[str] = field(default_factory=lambda: list(DEFAULT_TRACKERS))
+    # mlflow's tracking store: "" = a file store in RUN_DIR/mlruns; a local path, or a URI you choose (sqlite:, http:)
+    mlflow_uri: str = ""
+    tensorboard: bool = True  # deprecated alias: false drops tensorboard from run.trackers
     threads: int | None = None  # torch intra-op threads (default: all cores)
     # where the trainer and the local engines load their models: auto (cuda when available), cpu, cuda, cuda:N
     device: str = "auto"
@@ -406,6 +412,8 @@ class RunConfig:
         check(valid_device_setting(self.device), "device", f"must be {DEVICE_SETTINGS}, got {self.device!r}")
         check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0: no checkpoints)")
         check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+        problem = tracker_problem(self.trackers)  # a missing package fails here, before any model loads
+        check(problem is None, "trackers", problem or "")
         if self.resume not in ("", "auto"):
             check(Path(self.resume).expanduser().is_dir(), "resume",
                   f"{self.resume!r} is not a folder: use auto, a run folder or RUN_DIR/checkpoints/step_N")

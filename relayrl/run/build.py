@@ -152,12 +152,13 @@ def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) 
 def resolve_precision(cfg: Config, quiet: bool = False) -> Config:
     """engine.dtype "auto" -> what this machine runs natively (relayrl.common.hardware); model.autocast_bf16 "auto" ->
     the engine's precision (bf16 autocast when the engine runs bf16), so trainer and engine logprobs agree as
-    closely as they can, on the run's device (run.device). The choice and its reason are printed once; config.yaml
-    records the resolved dtypes (run.device stays as set: "auto" resolves again where the run resumes)."""
+    closely as they can, on the run's device (run.device). The choice and its reason are printed once (the first
+    line of the run's start block, relayrl/tracking/progress.py); config.yaml records the resolved dtypes
+    (run.device stays as set: "auto" resolves again where the run resumes)."""
     device = resolve_device(cfg.run.device)
     dtype, why = resolve_dtype(cfg.engine.dtype, device.type)
     autocast = dtype == "bfloat16" if cfg.model.autocast_bf16 == "auto" else bool(cfg.model.autocast_bf16)
-    if not quiet and "auto" in (cfg.engine.dtype, cfg.model.autocast_bf16, cfg.run.device):
+    if not quiet:
         print(f"precision: engine {dtype}, trainer {cfg.model.train_dtype}{' + bf16 autocast' if autocast else ''} "
               f"on {device} ({why})")
     return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, dtype=dtype),
@@ -181,7 +182,7 @@ def _run_folder(cfg: Config, resume: bool) -> tuple[Path, Path | None, Path | bo
 
 
 # what a build writes into a new run folder before training: removed again if the build fails
-_SCAFFOLD = ("config.yaml", "tensorboard", "checkpoints", "weights", ".write_test")
+_SCAFFOLD = ("config.yaml", "tensorboard", "wandb", "mlruns", "checkpoints", "weights", ".write_test")
 
 
 def discard_new_run(run_dir: Path, created: Path | bool) -> None:
@@ -214,7 +215,7 @@ def _build_trainer(cfg: Config) -> Components:
         model_path = resolve_model_path(cfg.model.path)
         tokenizer = load_tokenizer(model_path)
         train_ctl = _train_controller(cfg, model_path, _pad_id(tokenizer, eos_token_ids(tokenizer, model_path)))
-        logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
+        logger = MetricsLogger.for_run(run_dir, cfg)
     except BaseException:
         producer.close()
         discard_new_run(run_dir, created)
@@ -278,7 +279,7 @@ def _assemble(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge, role:
         eval_agent = agent_cls(rollout_ctl, tokenizer, sampling_params(cfg, cfg.eval.temperature), judge,
                                **cfg.agent.kwargs)
         eval_data = DataManager(eval_rows, prompt_fn, group_size=cfg.eval.n, shuffle=False)
-    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if role != "producer" else None
+    logger = MetricsLogger.for_run(run_dir, cfg) if role != "producer" else None
     trajectories = TrajectoryLogger(run_dir, tokenizer) if cfg.run.log_trajectories and role != "producer" else None
     judge.wait_ready()
     rollouts = InProcessRollouts(cfg, rollout_ctl, judge, env, data, eval_agent, eval_data)

@@ -20,7 +20,7 @@ class Components:
     """A run for one role (see `relayrl.run.build.build`): the trainer side, and a `RolloutSource` for the rest.
 
     `rollouts` is in-process (`InProcessRollouts`) or a producer process (`ProducerHandle`); the loops and
-    checkpointing only use its protocol. `rollout_ctl`, `env`, `data` and `judge` reach into an in-process
+    checkpointing only use its protocol. `rollout_ctl`, `env`, `data`, `eval_data` and `judge` reach into an in-process
     source for tests and benches (None for a producer process's trainer)."""
 
     cfg: Config
@@ -44,6 +44,10 @@ class Components:
     @property
     def data(self):
         return getattr(self.rollouts, "data", None)
+
+    @property
+    def eval_data(self):
+        return getattr(self.rollouts, "eval_data", None)
 
     @property
     def judge(self):

@@ -7,7 +7,6 @@ batches within the staleness bound. Both start after `c.step`, the step a resume
 
 from __future__ import annotations
 
-import sys
 import time
 
 from tqdm import tqdm
@@ -20,6 +19,7 @@ from relayrl.run.build import build, build_follower
 from relayrl.run.components import Components
 from relayrl.run.evaluator import rollout_metrics
 from relayrl.sample import Sample
+from relayrl.tracking.progress import Progress, start_block
 from relayrl.trainer.fsdp import init_distributed, shutdown_distributed
 from relayrl.trainer.leader import follow, lead, stop_followers
 
@@ -46,9 +46,10 @@ def train_colocated(c: Components) -> dict[str, float]:
     return _finish(c, last_eval)
 
 
-def _steps(c: Components) -> tqdm:
-    return tqdm(range(c.step + 1, c.cfg.run.steps + 1), desc="train", unit="step", dynamic_ncols=True,
-                initial=c.step, total=c.cfg.run.steps, disable=not sys.stderr.isatty())
+def _steps(c: Components) -> Progress:
+    """The steps left, after the run's start block; a bar on a terminal, else one line per step."""
+    tqdm.write(start_block(c))
+    return Progress(c.step, c.cfg.run.steps)
 
 
 def _finish(c: Components, last_eval: dict[str, float]) -> dict[str, float]:
@@ -166,10 +167,9 @@ def _evaluate(c: Components, step: int) -> dict[str, float]:
     return metrics
 
 
-def _log(c: Components, step: int, metrics: dict[str, float], bar: tqdm, batch) -> None:
+def _log(c: Components, step: int, metrics: dict[str, float], bar: Progress, batch) -> None:
     c.logger.log(step, metrics)
     tqdm.write(c.logger.table_row(step, metrics))
     for s in batch[: c.cfg.run.print_samples]:
         tqdm.write(f"  sample (reward {s.reward:.2f}): {s.response_text[:200]!r}")
-    bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}",
-                    pass_=f"{metrics.get('rollout/pass_rate', 0):.2f}")
+    bar.show(step, metrics)

@@ -1,11 +1,14 @@
-"""Run metrics: one JSONL line per step (crash-safe appends), TensorBoard scalars, a console table."""
+"""Run metrics: every step's row to each tracker of run.trackers (metrics.jsonl always), and a console table."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
-from relayrl.common.utils import append_jsonl
+from relayrl.config import to_dict
+from relayrl.tracking.trackers import DEFAULT_TRACKERS, active_trackers, make_trackers
 
 # (metric key(s), column title, format) shown in the per-step console table; the first key present wins
 COLUMNS = [
@@ -24,23 +27,32 @@ COLUMNS = [
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    """Fans each row of metrics out to the run's trackers (relayrl/tracking/trackers.py), metrics.jsonl first,
+    and formats the console table."""
+
+    def __init__(self, run_dir: str | Path, trackers: Iterable[str] = DEFAULT_TRACKERS,
+                 config: dict[str, Any] | None = None, mlflow_uri: str = ""):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self.names = active_trackers(trackers)
+        self.trackers = make_trackers(self.names, self.run_dir, mlflow_uri)
+        if config is not None:
+            for tracker in self.trackers:
+                tracker.log_config(config)
         self._rows = 0
 
+    @classmethod
+    def for_run(cls, run_dir: str | Path, cfg: Any) -> MetricsLogger:
+        """The logger a run's config asks for (run.trackers, run.tensorboard, run.mlflow_uri), which records
+        the resolved config in each tracker."""
+        names = active_trackers(cfg.run.trackers, tensorboard=cfg.run.tensorboard)
+        return cls(run_dir, names, config=to_dict(cfg), mlflow_uri=cfg.run.mlflow_uri)
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        """The same finite values at the same step to every tracker (NaN/inf and non-numbers are dropped)."""
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
-        append_jsonl(self.path, {"step": step, **clean})
-        if self._tb is not None:
-            for k, v in clean.items():
-                self._tb.add_scalar(k, v, step)
-            self._tb.flush()
+        for tracker in self.trackers:
+            tracker.log(step, clean)
 
     def table_row(self, step: int, metrics: dict[str, float]) -> str:
         """One fixed-width row of the step table (with the header every 20 rows)."""
@@ -57,5 +69,12 @@ class MetricsLogger:
         return row
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        """Close every tracker, each even if another fails (the first error is raised after)."""
+        errors = []
+        for tracker in self.trackers:
+            try:
+                tracker.close()
+            except Exception as e:  # noqa: PERF203 - one tracker failing must not leave the others open
+                errors.append(e)
+        if errors:
+            raise errors[0]
