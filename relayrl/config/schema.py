@@ -16,7 +16,7 @@ from relayrl.common.device import DEVICE_SETTINGS, valid_device_setting
 from relayrl.common.net import check_address
 from relayrl.config.loader import check, fill_missing, load_config
 from relayrl.config.rules import check_rules
-from relayrl.tracking.trackers import DEFAULT_TRACKERS, tracker_problem
+from relayrl.config.trackers import DEFAULT_TRACKERS, tracker_problem
 
 
 def _get_int(data: dict[str, Any], section: str, key: str, default: int) -> int | None:

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from relayrl.config import to_dict
-from relayrl.tracking.trackers import DEFAULT_TRACKERS, active_trackers, make_trackers
+from relayrl.config.trackers import DEFAULT_TRACKERS
+from relayrl.tracking.trackers import active_trackers, make_trackers
 
 # (metric key(s), column title, format) shown in the per-step console table; the first key present wins
 COLUMNS = [

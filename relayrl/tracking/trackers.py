@@ -11,7 +11,6 @@ neither needs them nor pays their import time; `tracker_problem` tells the confi
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import time
@@ -23,11 +22,6 @@ import yaml
 
 from relayrl.common.utils import append_jsonl
 
-TRACKERS = ("tensorboard", "jsonl", "wandb", "mlflow")
-DEFAULT_TRACKERS = ("tensorboard", "jsonl")
-# tracker -> the module it needs (mlflow-skinny provides mlflow)
-PACKAGES = {"tensorboard": "tensorboard", "jsonl": None, "wandb": "wandb", "mlflow": "mlflow"}
-EXTRA = "pip install relayrl[trackers]"
 MLFLOW_EXPERIMENT = "relayrl"
 
 
@@ -49,17 +43,6 @@ def active_trackers(names: Iterable[str], tensorboard: bool = True) -> list[str]
         if name not in out and (tensorboard or name != "tensorboard"):
             out.append(name)
     return out
-
-
-def tracker_problem(names: Iterable[str]) -> str | None:
-    """Why these trackers cannot run here (an unknown name, a package not installed), or None."""
-    for name in names:
-        if name not in TRACKERS:
-            return f"unknown tracker {name!r}; choose from {', '.join(TRACKERS)}"
-        module = PACKAGES[name]
-        if module is not None and importlib.util.find_spec(module) is None:
-            return f"tracker {name!r} needs the {module} package, which is not installed: {EXTRA}"
-    return None
 
 
 def make_trackers(names: Iterable[str], run_dir: Path, mlflow_uri: str = "") -> list[Tracker]:
