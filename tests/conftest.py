@@ -1,6 +1,11 @@
 """Shared fixtures: a real tiny model (random init, small vocab) built once per session, the tests folder on
-sys.path (configs name test agents and rewards by import path; judge workers inherit sys.path), and a small
-arithmetic dataset writer."""
+sys.path (configs name test agents and rewards by import path; judge workers inherit sys.path), a small
+arithmetic dataset writer, and the settings of a tiny run (`tiny_run_args`, the `tiny_run` fixture) that the
+loop, checkpoint, async and memory tests start from.
+
+Layout: unit/ (one component, in process), integration/ (several components, real processes and servers),
+e2e/ (the product as a user runs it: real SmolLM2, vLLM, an installed wheel, the Python API example, GPUs).
+Helpers shared across them live here, at the top of tests/."""
 
 import contextlib
 import json
@@ -20,6 +25,31 @@ def tiny_path():
     from relayrl.models import tiny_model
 
     return str(tiny_model("qwen2"))
+
+
+# A tiny run: the tiny model in fp32, 2 prompts x 2 samples, 10 new tokens, 2 steps, a fast judge, no extra output.
+TINY_RUN = {"engine.dtype": "float32", "data.batch_size": 2, "data.group_size": 2, "sampling.max_new_tokens": 10,
+            "run.steps": 2, "run.name": "t", "train.lr": 1e-3, "judge.reward_fn": "agents_for_tests:parity_reward",
+            "judge.workers": 1, "run.print_samples": 0, "run.tensorboard": False, "run.save_final": False,
+            "eval.at_start": False, "eval.at_end": False}
+
+
+def tiny_run_args(model: str, data: str, out: Path | str, **extra) -> list[str]:
+    """key=value overrides of a tiny run of `model` on `data` writing under `out`, with `extra` on top."""
+    over = {"model.path": model, "data.train.source": data, "run.output_dir": str(out), **TINY_RUN, **extra}
+    return [f"{k}={v}" for k, v in over.items()]
+
+
+@pytest.fixture
+def tiny_run(tiny_path, tmp_path):
+    """Build a tiny run's Config: `tiny_run(**{"run.steps": 3})`; its data (`tiny_run.data`) is 40 sums."""
+    from relayrl.config.schema import load_run_config
+
+    def make(**extra):
+        return load_run_config(None, tiny_run_args(tiny_path, make.data, tmp_path, **extra))
+
+    make.data = write_sums(tmp_path / "sums.jsonl", 40)
+    return make
 
 
 @pytest.fixture(autouse=True)

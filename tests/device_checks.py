@@ -1,5 +1,5 @@
-"""Checks of the engine and trainer on one device, shared by the CPU tests (tests/test_device.py, which run them
-everywhere) and the GPU tests (tests/test_gpu.py, `pytest -m gpu`). One body per check keeps the CUDA version
+"""Checks of the engine and trainer on one device, shared by the CPU tests (tests/unit/test_device.py, which run them
+everywhere) and the GPU tests (tests/e2e/test_gpu.py, `pytest -m gpu`). One body per check keeps the CUDA version
 honest: whatever runs on the GPU machine is the code that passes on the CPU here.
 """
 
@@ -29,7 +29,7 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
 
 def logprob_tolerance(device: str) -> float:
-    """1e-5 on the CPU (tests/test_engine.py's bound). On a GPU the one-token decode and the full forward run
+    """1e-5 on the CPU (tests/unit/test_engine.py's bound). On a GPU the one-token decode and the full forward run
     different kernels (reduction orders), so the same fp32 math differs a little more; a wrong mask, position or
     device copy would differ by far more than 1e-4."""
     return 1e-5 if device == "cpu" else 1e-4

@@ -1,4 +1,4 @@
-"""Reward functions that misbehave on purpose, for tests/test_judge.py.
+"""Reward functions that misbehave on purpose, for tests/unit/test_judge.py.
 
 They live in a real module because Judge workers are separate processes that import the reward function
 by path; test_judge.py puts this directory on sys.path, and spawned workers inherit sys.path.

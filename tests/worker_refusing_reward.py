@@ -1,5 +1,5 @@
 """A reward module that imports in the parent but refuses to load in a judge worker: the build then fails
-after the run folder exists (judge.wait_ready), which is what tests/test_trust_runs.py needs."""
+after the run folder exists (judge.wait_ready), which is what tests/integration/test_trust_runs.py needs."""
 
 import multiprocessing
 

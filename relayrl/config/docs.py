@@ -2,7 +2,7 @@
 
 The schema (relayrl/config/schema.py) documents a key with a comment on its line or on the lines just above
 it. Reading those comments keeps one source of truth: the meaning sits beside the default it explains, and
-a key without one fails `tests/test_config_docs.py`. docs/config.md is generated from here
+a key without one fails `tests/unit/test_config_docs.py`. docs/config.md is generated from here
 (`python -m relayrl.config.docs > docs/config.md`; the same test fails when the file is stale).
 """
 

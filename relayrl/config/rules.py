@@ -3,7 +3,7 @@
 Why a table: every numeric key must be finite (the loader refuses NaN and inf) and in range, and a bad value
 must fail at load time with its dotted key, before any compute. The sections' own `validate()` methods check
 their classic keys; the keys below had no check, so a typo such as `eval.n=0` or `train.betas=[0.9, 1.5]` ran
-(or crashed much later). `tests/test_config_rules.py` sets every numeric key of the schema to an absurd
+(or crashed much later). `tests/unit/test_config_rules.py` sets every numeric key of the schema to an absurd
 value and expects an error naming it, so a new key without a check fails the tests.
 """
 

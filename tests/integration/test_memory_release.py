@@ -3,7 +3,7 @@ trainer's own weights when both use the same dtype (one copy, no copying at sync
 
 import pytest
 import torch
-from conftest import write_sums
+from conftest import tiny_run_args, write_sums
 
 from relayrl.config.schema import load_run_config
 from relayrl.engine.base import SamplingParams
@@ -74,12 +74,8 @@ def test_an_engine_on_borrowed_weights_never_releases_them(tiny_path):
 
 def _cfg(tiny_path, tmp_path, **extra):
     data = write_sums(tmp_path / "d.jsonl", 8)
-    over = {"model.path": tiny_path, "engine.dtype": "float32", "data.train.source": data,
-            "data.batch_size": 2, "data.group_size": 2, "sampling.max_new_tokens": 6, "run.steps": 2,
-            "run.output_dir": str(tmp_path), "run.name": "t", "eval.at_start": False, "eval.at_end": False,
-            "judge.reward_fn": "agents_for_tests:parity_reward", "judge.workers": 1, "run.print_samples": 0,
-            "run.save_final": False, **extra}
-    return load_run_config(None, [f"{k}={v}" for k, v in over.items()])
+    return load_run_config(None, tiny_run_args(tiny_path, data, tmp_path, **{"sampling.max_new_tokens": 6,
+                                                                             "run.tensorboard": True, **extra}))
 
 
 def test_same_dtype_sync_run_shares_one_model_between_engine_and_trainer(tiny_path, tmp_path):

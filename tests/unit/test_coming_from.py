@@ -12,7 +12,7 @@ from relayrl.config import ConfigError
 from relayrl.config.docs import keys
 from relayrl.config.schema import Config, load_run_config
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "coming-from.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "coming-from.md"
 KEY_REF = re.compile(r"^([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)(?:=(\S+))?$")
 
 

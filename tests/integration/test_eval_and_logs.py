@@ -14,7 +14,7 @@ from relayrl.run.loop import train
 from relayrl.sample import Sample
 from relayrl.tracking.trajectories import load_trajectories, render, show
 
-TESTS = os.path.dirname(__file__)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def sample(gid, text, correct, solved_turn=None):

@@ -13,7 +13,7 @@ from relayrl import Agent, Sample, Status, evaluate, load_config, train
 from relayrl.api import import_path
 from relayrl.config import ConfigError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _tiny(tiny_path, tmp_path, **extra) -> dict:

@@ -7,7 +7,7 @@ from relayrl.cli import main
 from relayrl.config.docs import describe, field_comments, keys, markdown
 from relayrl.config.schema import Config
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 
 def test_every_key_has_a_meaning():

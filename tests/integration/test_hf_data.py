@@ -24,7 +24,7 @@ from relayrl.data import find_gsm8k, load_rows
 from relayrl.data.datasets import BUILTIN_GSM8K, gsm8k_search_path
 from relayrl.models import load_model, load_tokenizer, resolve_model_path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ROWS = pd.DataFrame({"problem": ["1+1?", "2+3?", "7*6?"], "solution": [2, 5, 42], "level": [1, 1, 3]})
 MAPS = '''
 def boxed(row):

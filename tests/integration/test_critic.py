@@ -9,11 +9,10 @@ import random
 import pytest
 import torch
 import yaml
-from test_loop import dataset, overrides  # noqa: F401  (fixtures and the run helper)
-from test_trainer import rollout
+from engines_for_tests import rollout
 
 from relayrl.common.utils import read_jsonl
-from relayrl.config.schema import AlgoConfig, TrainConfig, load_run_config
+from relayrl.config.schema import AlgoConfig, TrainConfig
 from relayrl.models import load_model
 from relayrl.run.build import build
 from relayrl.run.loop import train_colocated
@@ -188,10 +187,11 @@ def test_controller_state_dict_covers_critic_optimizers_and_schedule(model, tiny
     ("dapo", ["train/overlong_frac", "train/overlong_penalty_mean"]),
     ("reinforce_pp_baseline", ["train/kl_reward_mean", "train/kl_ref"]),
 ])
-def test_two_training_steps_per_preset(preset, keys, tiny_path, dataset, tmp_path):  # noqa: F811
-    cfg = load_run_config(None, overrides(tiny_path, dataset, tmp_path, **{
-        "algo.preset": preset, "train.lr_schedule": "linear", "eval.at_start": False, "eval.size": 2,
-        "run.log_trajectories": False, "run.save_final": False, "run.tensorboard": False}))
+def test_two_training_steps_per_preset(preset, keys, tiny_run):
+    cfg = tiny_run(**{"algo.preset": preset, "train.lr_schedule": "linear", "data.group_size": 4,
+                      "data.eval.source": tiny_run.data, "eval.size": 2, "eval.n": 2,
+                      "eval.temperature": 1.0, "eval.at_end": True, "sampling.max_new_tokens": 12,
+                      "run.log_trajectories": False})
     c = build(cfg)
     try:
         train_colocated(c)

@@ -1,5 +1,5 @@
 """The device notion on the CPU: run.device, relayrl.common.device and the engine and trainer checks of
-tests/device_checks.py (the ones tests/test_gpu.py runs on CUDA) with every device-aware path pointed at the CPU."""
+tests/device_checks.py (the ones tests/e2e/test_gpu.py runs on CUDA) with every device-aware path pointed at the CPU."""
 
 import logging
 

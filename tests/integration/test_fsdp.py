@@ -1,7 +1,7 @@
 """FSDPEngine on real processes (gloo on CPU, NCCL when a GPU is present): one optimizer step on world
 size 1 and 2 equals the single-process TrainEngine step; full-weight gathering; the balanced DP split.
 
-The worlds are this file run as a script (`python tests/test_fsdp.py RANK WORLD OUT`), one process per
+The worlds are this file run as a script (`python tests/integration/test_fsdp.py RANK WORLD OUT`), one process per
 rank, with torchrun's environment variables; both worlds start together and run every case in one go,
 so the test pays for three interpreter starts, not one per case.
 """

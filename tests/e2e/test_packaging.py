@@ -25,7 +25,7 @@ import pytest
 import relayrl
 from relayrl.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 180
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".npz", ".so", ".pyc")
 SHIPPED = ("relayrl", "pyproject.toml", "README.md")  # what building the wheel reads

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TESTS, write_sums
+from conftest import TESTS, tiny_run_args, write_sums
 from transformers import AutoModelForCausalLM
 
 from relayrl.common.utils import read_jsonl
@@ -32,12 +32,7 @@ def data(tmp_path):
 
 
 def args_for(tiny_path, data, tmp_path, name, **extra):
-    base = {"model.path": tiny_path, "engine.dtype": "float32", "data.train.source": data, "data.batch_size": 2,
-            "data.group_size": 2, "sampling.max_new_tokens": 10, "run.steps": 4, "run.output_dir": str(tmp_path),
-            "run.name": name, "train.lr": 1e-3, "judge.reward_fn": "agents_for_tests:parity_reward",
-            "judge.workers": 1, "run.print_samples": 0, "run.tensorboard": False, "run.save_final": False,
-            "eval.at_start": False, "eval.at_end": False}
-    return [f"{k}={v}" for k, v in (base | extra).items()]
+    return tiny_run_args(tiny_path, data, tmp_path, **{"run.steps": 4, "run.name": name, **extra})
 
 
 def run(tiny_path, data, tmp_path, name, loop=train_colocated, **extra):

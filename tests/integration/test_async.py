@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TESTS, write_sums
+from conftest import TESTS, tiny_run_args, write_sums
 from engines_for_tests import HaltingEngine
 from sandbox_helpers import UNAVAILABLE
 
@@ -34,13 +34,8 @@ def data(tmp_path):
 
 
 def cfg_for(tiny_path, data, tmp_path, name, **extra):
-    base = {"model.path": tiny_path, "engine.dtype": "float32", "data.train.source": data, "data.batch_size": 2,
-            "data.group_size": 2, "sampling.max_new_tokens": 12, "run.steps": 3, "run.output_dir": str(tmp_path),
-            "run.name": name, "train.lr": 1e-3, "judge.reward_fn": "agents_for_tests:parity_reward",
-            "judge.workers": 1, "run.print_samples": 0, "run.tensorboard": False, "run.save_final": False,
-            "eval.at_start": False, "eval.at_end": False}
-    base.update(extra)
-    return load_run_config(None, [f"{k}={v}" for k, v in base.items()])
+    more = {"sampling.max_new_tokens": 12, "run.steps": 3, "run.name": name}
+    return load_run_config(None, tiny_run_args(tiny_path, data, tmp_path, **more, **extra))
 
 
 def run(cfg, loop):

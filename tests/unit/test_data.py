@@ -10,7 +10,7 @@ from relayrl.data import DataManager, PromptBuilder, find_gsm8k, load_rows
 from relayrl.models import load_tokenizer
 from relayrl.sample import Status
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 
 def write_jsonl(path, rows):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import write_sums
-from test_tool_agent import memorize
+from engines_for_tests import memorize
 
 from relayrl.agents.chat import continuation_ids
 from relayrl.agents.tool import ToolAgent
@@ -31,7 +31,7 @@ from relayrl.tools.calls import (
     resolve_format,
 )
 
-TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+TEMPLATES = Path(__file__).parents[1] / "fixtures" / "chat_templates"
 CALC = {"name": "calculator", "arguments": {"expression": "6*7"}}
 PY = {"name": "python", "arguments": {"code": "print(1)"}}
 LLAMA_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",

@@ -100,7 +100,7 @@ def test_sandbox_starts_as_an_unprivileged_user():
     trainer would (the same kernel path: unprivileged user namespaces)."""
     if os.geteuid() != 0 or not Path("/usr/bin/setpriv").exists():
         pytest.skip("needs root and setpriv to switch to an unprivileged user (as non-root, every test is this)")
-    box, repo = ready(), Path(__file__).resolve().parent.parent
+    box, repo = ready(), Path(__file__).resolve().parents[2]
     code = ("import asyncio; from relayrl.tools.sandbox import run_python; "
             "r = asyncio.run(run_python('import os; print(os.getuid(), os.getpid())')); print(r.stdout, r.stderr)")
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo), ENV_BINARY: box.binary}

@@ -3,7 +3,7 @@
 import asyncio
 
 import pytest
-import torch
+from engines_for_tests import memorize
 from sandbox_helpers import UNAVAILABLE
 
 from relayrl.agents.chat import continuation_ids
@@ -14,22 +14,6 @@ from relayrl.engine.rollout import RolloutController
 from relayrl.models import eos_token_ids, load_model, load_tokenizer
 from relayrl.sample import NO_VERSION, Sample
 from relayrl.tools.calls import parse_tool_calls
-
-
-def memorize(model, prefix: list[int], target: list[int], steps: int = 300) -> None:
-    """Teach the model to continue `prefix` with `target` greedily (real training, no scripted engine)."""
-    ids = torch.tensor([prefix + target])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model.train()
-    for _ in range(steps):
-        logits = model(ids).logits[0, len(prefix) - 1: -1]
-        if bool((logits.argmax(-1) == ids[0, len(prefix):]).all()) and logits.softmax(-1).max(-1).values.min() > 0.9:
-            break  # greedy decoding now reproduces the target with a clear margin
-        loss = torch.nn.functional.cross_entropy(logits, ids[0, len(prefix):])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
 
 
 def test_parse_tool_calls():

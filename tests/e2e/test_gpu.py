@@ -1,5 +1,5 @@
 """`pytest -m gpu`: the engine and the trainer on CUDA, on the tiny random model (scripts/gpu_check.sh runs these
-and the GPU benches). The checks are tests/device_checks.py's, which tests/test_device.py also runs on the CPU.
+and the GPU benches). The checks are tests/device_checks.py's, which tests/unit/test_device.py also runs on the CPU.
 Without CUDA every test here is skipped, with the reason shown (`pytest -rs`)."""
 
 import pytest

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-TESTS_DIR = str(Path(__file__).resolve().parent)
+TESTS_DIR = str(Path(__file__).resolve().parents[1])
 if TESTS_DIR not in sys.path:  # workers import `judge_fns` by path; spawn hands them our sys.path
     sys.path.insert(0, TESTS_DIR)
 

