@@ -1,34 +1,36 @@
-"""The `relayrl` command: train, eval, show-trajectories, plot, models."""
+"""The `relayrl` command: train, eval, show-trajectories, plot, models, serve.
+
+Each subcommand imports what it runs (training, serving, models and plots pull in torch, transformers, fastapi
+or matplotlib: seconds), so `relayrl --help`, `--version`, `--help-config` and config errors answer at once."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from relayrl import __version__
-from relayrl.common.utils import InputError
-from relayrl.config import ConfigError
+from relayrl.common.utils import InputError, atomic_write_text
+from relayrl.config import ConfigError, to_dict
+from relayrl.config.docs import describe
+from relayrl.config.schema import Config, load_run_config
 
 SERVE_EXTRA = ("uvicorn",)  # the packages of the `serve` extra (pyproject.toml): the HTTP server
 
 
 def _train(args: argparse.Namespace) -> int:
-    from relayrl.config import to_dict
-    from relayrl.config.docs import describe
-    from relayrl.config.schema import Config, load_run_config
-
     if args.help_config:
         print(describe(Config))
         return 0
     cfg = load_run_config(args.config, args.overrides)
     if args.print_config:
-        import yaml
-
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
     if cfg.launcher == "ray":  # every process of the run in a Ray actor, trainer ranks included
@@ -57,10 +59,6 @@ def _torchrun(world_size: int, argv: list[str]) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    import json
-
-    from relayrl.common.utils import atomic_write_text
-    from relayrl.config.schema import load_run_config
     from relayrl.run.loop import evaluate
 
     extra = [f"model.path={args.model}"] if args.model else []

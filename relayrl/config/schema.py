@@ -93,6 +93,8 @@ class ModelConfig:
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
     def validate(self) -> None:
+        # relayrl.models loads torch and transformers (seconds): imported only when a config is checked, so that
+        # importing the schema (the CLI's --help, --help-config) stays instant
         from relayrl.models import MODEL_ALIASES
         from relayrl.models.hub import cached_snapshot, looks_like_repo_id
 
