@@ -17,7 +17,8 @@ from relayrl.common.utils import InputError
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.engine.rollout import RolloutController
-from relayrl.models import CHATML_TEMPLATE, load_model, load_tokenizer
+from relayrl.models import load_model, load_tokenizer
+from relayrl.models.store import CHATML_TEMPLATE
 from relayrl.run.build import _check_agent_kwargs
 from relayrl.sample import NO_VERSION, Sample
 from relayrl.tools.calls import (
