@@ -9,7 +9,7 @@ import copy
 from pathlib import Path
 
 import torch
-from conftest import write_sums
+from conftest import tiny_run_args, write_sums
 
 from relayrl.config.schema import AlgoConfig, TrainConfig, load_run_config
 from relayrl.engine.base import SamplingParams
@@ -170,12 +170,9 @@ def check_weight_sync(tiny_path: str, device: str, tmp_path: Path) -> None:
 def check_colocated_run(tiny_path: str, device: str, tmp_path: Path) -> None:
     """Two steps of the real colocated loop with run.device set: engine and trainer load on that device."""
     data = write_sums(tmp_path / "d.jsonl", 8)
-    over = {"run.device": device, "model.path": tiny_path, "engine.dtype": "float32", "data.train.source": data,
-            "data.batch_size": 2, "data.group_size": 2, "sampling.max_new_tokens": 6, "run.steps": 2,
-            "run.output_dir": str(tmp_path), "run.name": "t", "eval.at_start": False, "eval.at_end": False,
-            "judge.reward_fn": "agents_for_tests:parity_reward", "judge.workers": 1, "run.print_samples": 0,
-            "run.save_final": False, "algo.kl_coef": 0.01, "engine.share_trainer_weights": False}
-    c = build(load_run_config(None, [f"{k}={v}" for k, v in over.items()]))
+    over = {"run.device": device, "sampling.max_new_tokens": 6, "run.tensorboard": True, "algo.kl_coef": 0.01,
+            "engine.share_trainer_weights": False}
+    c = build(load_run_config(None, tiny_run_args(tiny_path, data, tmp_path, **over)))
     try:
         engine = c.rollout_ctl.engines[0]
         assert engine.device.type == device and c.train_ctl.engine.device.type == device

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TESTS, write_sums
+from conftest import TESTS, tiny_run_args, write_sums
 from sandbox_helpers import UNAVAILABLE
 
 from relayrl.cli import main
@@ -23,13 +23,10 @@ def dataset(tmp_path):
 
 
 def overrides(tiny_path, dataset, tmp_path, **extra):
-    base = {"model.path": tiny_path, "engine.dtype": "float32", "data.train.source": dataset,
-            "data.eval.source": dataset, "data.batch_size": 2, "data.group_size": 4, "sampling.max_new_tokens": 12,
-            "eval.size": 3, "eval.n": 2, "eval.temperature": 1.0, "run.steps": 2, "run.output_dir": str(tmp_path),
-            "run.name": "t", "train.lr": 1e-3, "judge.reward_fn": "agents_for_tests:parity_reward",
-            "judge.workers": 1, "run.print_samples": 0}
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
+    """A tiny run (conftest) with an eval set and every output on (as a user's run)."""
+    return tiny_run_args(tiny_path, dataset, tmp_path, **{
+        "data.eval.source": dataset, "data.group_size": 4, "sampling.max_new_tokens": 12, "eval.size": 3,
+        "eval.n": 2, "eval.temperature": 1.0, "run.tensorboard": True, "run.save_final": True, "eval.at_start": True, "eval.at_end": True, **extra})
 
 
 

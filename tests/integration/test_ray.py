@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TESTS, write_sums
+from conftest import TESTS, tiny_run_args, write_sums
 from safetensors.torch import load_file
 
 pytest.importorskip("ray")
@@ -26,13 +26,11 @@ ENV = {**os.environ, "PYTHONPATH": TESTS, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE"
 
 
 def args(tiny_path: str, data: str, out: Path, name: str, **extra) -> list[str]:
-    base = {"model.path": tiny_path, "engine.dtype": "float32", "data.train.source": data,
-            "data.eval.source": data, "data.batch_size": 2, "data.group_size": 4, "sampling.max_new_tokens": 12,
-            "eval.size": 3, "eval.n": 2, "eval.temperature": 1.0, "run.steps": 2, "run.output_dir": str(out),
-            "run.name": name, "train.lr": 1e-3, "judge.reward_fn": "agents_for_tests:parity_reward",
-            "judge.workers": 1, "run.print_samples": 0, "run.threads": 1, "ray.num_cpus": 2}
-    base.update(extra)
-    return [sys.executable, "-m", "relayrl.cli", "train", *(f"{k}={v}" for k, v in base.items())]
+    """`relayrl train` of a tiny run (conftest) with an eval set, one torch thread per process, 2 Ray CPUs."""
+    over = {"data.eval.source": data, "data.group_size": 4, "sampling.max_new_tokens": 12, "eval.size": 3,
+            "eval.n": 2, "eval.temperature": 1.0, "run.tensorboard": True, "run.save_final": True, "eval.at_start": True, "eval.at_end": True, "run.name": name, "run.threads": 1,
+            "ray.num_cpus": 2, **extra}
+    return [sys.executable, "-m", "relayrl.cli", "train", *tiny_run_args(tiny_path, data, out, **over)]
 
 
 def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
