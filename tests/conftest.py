@@ -33,6 +33,9 @@ TINY_RUN = {"engine.dtype": "float32", "data.batch_size": 2, "data.group_size": 
             "judge.workers": 1, "run.print_samples": 0, "run.tensorboard": False, "run.save_final": False,
             "eval.at_start": False, "eval.at_end": False}
 
+# what a user's run has on by default and TINY_RUN turns off, for tests that need it back
+USER_OUTPUTS = {"run.tensorboard": True, "run.save_final": True, "eval.at_start": True, "eval.at_end": True}
+
 
 def tiny_run_args(model: str, data: str, out: Path | str, **extra) -> list[str]:
     """key=value overrides of a tiny run of `model` on `data` writing under `out`, with `extra` on top."""

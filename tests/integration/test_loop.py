@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TESTS, tiny_run_args, write_sums
+from conftest import TESTS, USER_OUTPUTS, tiny_run_args, write_sums
 from sandbox_helpers import UNAVAILABLE
 
 from relayrl.cli import main
@@ -26,7 +26,7 @@ def overrides(tiny_path, dataset, tmp_path, **extra):
     """A tiny run (conftest) with an eval set and every output on (as a user's run)."""
     return tiny_run_args(tiny_path, dataset, tmp_path, **{
         "data.eval.source": dataset, "data.group_size": 4, "sampling.max_new_tokens": 12, "eval.size": 3,
-        "eval.n": 2, "eval.temperature": 1.0, "run.tensorboard": True, "run.save_final": True, "eval.at_start": True, "eval.at_end": True, **extra})
+        "eval.n": 2, "eval.temperature": 1.0, **USER_OUTPUTS, **extra})
 
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TESTS, tiny_run_args, write_sums
+from conftest import TESTS, USER_OUTPUTS, tiny_run_args, write_sums
 from safetensors.torch import load_file
 
 pytest.importorskip("ray")
@@ -28,7 +28,7 @@ ENV = {**os.environ, "PYTHONPATH": TESTS, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE"
 def args(tiny_path: str, data: str, out: Path, name: str, **extra) -> list[str]:
     """`relayrl train` of a tiny run (conftest) with an eval set, one torch thread per process, 2 Ray CPUs."""
     over = {"data.eval.source": data, "data.group_size": 4, "sampling.max_new_tokens": 12, "eval.size": 3,
-            "eval.n": 2, "eval.temperature": 1.0, "run.tensorboard": True, "run.save_final": True, "eval.at_start": True, "eval.at_end": True, "run.name": name, "run.threads": 1,
+            "eval.n": 2, "eval.temperature": 1.0, **USER_OUTPUTS, "run.name": name, "run.threads": 1,
             "ray.num_cpus": 2, **extra}
     return [sys.executable, "-m", "relayrl.cli", "train", *tiny_run_args(tiny_path, data, out, **over)]
 
