@@ -35,7 +35,7 @@ def data(tmp_path):
 
 def cfg_for(tiny_path, data, tmp_path, name, **extra):
     more = {"sampling.max_new_tokens": 12, "run.steps": 3, "run.name": name}
-    return load_run_config(None, tiny_run_args(tiny_path, data, tmp_path, **more, **extra))
+    return load_run_config(None, tiny_run_args(tiny_path, data, tmp_path, **{**more, **extra}))
 
 
 def run(cfg, loop):
