@@ -154,6 +154,7 @@ def run_relayrl(side: str, a: argparse.Namespace, tmp: str) -> dict:
     if proc.returncode and not stopped:
         sys.exit(f"relayrl {side} failed (exit {proc.returncode}):\n{(Path(tmp) / f'{side}.log').read_text()[-4000:]}")
     return {"curve": relayrl_curve(read_jsonl(metrics))[0], "process_s": time.perf_counter() - t0,
+            "interrupted": stopped,  # stopped by the rule, not at run.steps
             "settings": {"scheduler": cfg.scheduler.mode, "max_staleness": cfg.scheduler.max_staleness,
                          "placement": cfg.scheduler.placement, "decoupled": cfg.algo.decoupled,
                          "gradient_checkpointing": cfg.model.gradient_checkpointing, "engine_dtype": cfg.engine.dtype,
