@@ -28,7 +28,8 @@ import _common
 import _tta_trl  # TRL itself loads only in the TRL side's subprocess
 import torch
 
-from relayrl.common.utils import read_jsonl
+from relayrl.common.utils import InputError, read_jsonl
+from relayrl.config.loader import ConfigError
 from relayrl.config.schema import load_run_config
 from relayrl.run.build import resolve_precision
 
@@ -278,7 +279,12 @@ def main() -> None:
     from relayrl.models import resolve_model_path, tiny_model
 
     a.model = str(tiny_model()) if a.quick else str(resolve_model_path(a.model))
-    cfg = load_run_config(a.config, shared_overrides(a))  # a bad config or override fails here, named
+    try:  # a bad config or override fails here, named, before any side starts
+        cfg = load_run_config(a.config, shared_overrides(a))
+        for side in a.sides:
+            load_run_config(a.config, shared_overrides(a) + side_overrides(side, a))
+    except (ConfigError, InputError, OSError) as e:
+        sys.exit(f"error: {e}")
     a.trl_micro_batch = min(a.trl_micro_batch, cfg.data.batch_size * cfg.data.group_size)
     if "trl" in a.sides and (problem := _tta_trl.settings_problem(cfg, a.trl_micro_batch)):
         sys.exit(f"error: {problem}")
@@ -302,7 +308,7 @@ def main() -> None:
                            "overrides": shared_overrides(a), "quick": a.quick},
               "checks": {"loadavg_1min_at_start": load,
                          "pass_at_step0": {s: m["curve"][0]["pass@1"] for s, m in metrics.items()}},
-              "notes": NOTES, "plot": str(png)}
+              "notes": NOTES, "plot": str(png.relative_to(_common.REPO) if png.is_relative_to(_common.REPO) else png)}
     _common.write_json(out, result)
     print(json.dumps({"out": str(out), "plot": str(png), **result["ratios"]}, indent=2))
 
