@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -66,3 +67,16 @@ def load_before_run() -> float:
         print(f"WARNING: 1-min load average is {load:.2f} before the run: another process is using the CPU, "
               "so step times are not representative", file=sys.stderr)
     return load
+
+
+def std_err(p: float, n: int) -> float:
+    """Binomial standard error of a pass rate p measured on n samples."""
+    return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
+
+
+def curve_point(step: int, samples: int, wall_s: float, metrics: dict[str, float]) -> dict:
+    """One point of a time-to-accuracy curve from a relayrl eval's metrics (eval/pass@1, eval/samples, time/eval_s):
+    the same record for every side of bench/time_to_accuracy.py."""
+    p = metrics["eval/pass@1"]
+    return {"step": step, "samples": samples, "wall_s_excl_eval": wall_s, "pass@1": p,
+            "stderr": std_err(p, int(metrics["eval/samples"])), "eval_s": metrics.get("time/eval_s", 0.0)}

@@ -12,7 +12,6 @@ docs/img/NAME.png (reward and pass-rate curves).
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import subprocess
 import sys
@@ -25,10 +24,6 @@ from relayrl.common.utils import read_jsonl
 from relayrl.tracking.plot import plot_run
 
 EVAL_KEYS = ("eval/pass", "eval/maj", "eval/solved")
-
-
-def std_err(p: float, n: int) -> float:
-    return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
 
 
 def main() -> None:
@@ -53,8 +48,8 @@ def main() -> None:
     before, after = evals[0]["eval/pass@1"], evals[-1]["eval/pass@1"]
     png = plot_run([run_dir], _common.REPO / "docs" / "img" / f"{a.name}.png", labels=[a.name])
     result = _common.result_header(a.name) | {
-        "metrics": {"pass_before": before, "pass_after": after, "pass_before_stderr": std_err(before, n_eval),
-                    "pass_after_stderr": std_err(after, n_eval), "eval_samples": n_eval,
+        "metrics": {"pass_before": before, "pass_after": after, "pass_before_stderr": _common.std_err(before, n_eval),
+                    "pass_after_stderr": _common.std_err(after, n_eval), "eval_samples": n_eval,
                     "minutes": minutes, "steps": len(steps),
                     "step_s_median": sorted(r["time/step_s"] for r in steps)[len(steps) // 2],
                     "eval_curve": [{k: r[k] for k in r if k == "step" or k.startswith(EVAL_KEYS)} for r in evals],

@@ -1,0 +1,108 @@
+"""bench/time_to_accuracy.py: the --quick smoke run end to end (three real subprocess sides on the tiny model, the
+TRL eval callback, the JSON and the plot), the stop at the target, and the ratio bounds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "bench" / "time_to_accuracy.py"
+sys.path.insert(0, str(REPO / "bench"))  # the bench scripts import their helpers (_common) as top-level modules
+
+import time_to_accuracy as tta  # noqa: E402
+
+POINT_KEYS = {"step", "samples", "wall_s_excl_eval", "pass@1", "stderr", "eval_s"}
+
+
+def run_quick(tmp_path: Path, *args: str) -> dict:
+    pytest.importorskip("trl")
+    out, png = tmp_path / "tta.json", tmp_path / "tta.png"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--plot", str(png), *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_quick_run_has_curves_for_all_three_sides(tmp_path):
+    recorded = REPO / "bench" / "results" / "time_to_accuracy.json"
+    before = recorded.stat().st_mtime_ns if recorded.exists() else None
+    r = run_quick(tmp_path)
+    assert (recorded.stat().st_mtime_ns if recorded.exists() else None) == before  # the real result is untouched
+    assert set(r["metrics"]) == {"sync", "async", "trl"}
+    for side, m in r["metrics"].items():
+        curve = m["curve"]
+        assert [p["step"] for p in curve] == [0, 1, 2], side  # eval at start, then every step (--quick: 2 steps)
+        assert all(set(p) == POINT_KEYS for p in curve)
+        assert [p["samples"] for p in curve] == [0, 4, 8]  # 2 prompts x 2 samples per step
+        walls = [p["wall_s_excl_eval"] for p in curve]
+        assert walls[0] == 0 and walls[1] > 0 and walls == sorted(walls)
+        assert all(0 <= p["pass@1"] <= 1 and p["stderr"] >= 0 for p in curve)
+        assert m["stopped_by"] == "max_steps" and m["reached_target"] is False  # the random model stays far below
+        assert m["time_to_target_s"] is None and m["samples_to_target"] is None
+        assert m["steps_trained"] == 2 and m["samples_trained"] == 8
+    assert r["metrics"]["async"]["settings"]["decoupled"] is True
+    assert r["metrics"]["async"]["settings"]["scheduler"] == "async"
+    assert r["metrics"]["trl"]["optimizer_steps"] == 2
+    for name in ("async_vs_sync", "relayrl_vs_trl"):
+        for what in ("time", "samples"):
+            assert r["ratios"][f"{name}_{what}_to_acc"] is None
+            assert r["ratios"][f"{name}_{what}_to_acc_kind"] == "undetermined"
+    assert r["workload"]["eval_size"] == 4 and r["workload"]["temperature"] == 1.0
+    assert r["machine"]["cores"] and "time_to_accuracy.py --quick" in r["command"]
+    assert set(r["checks"]["pass_at_step0"]) == {"sync", "async", "trl"}
+
+
+@pytest.mark.slow
+def test_quick_run_stops_each_side_at_the_target(tmp_path):
+    r = run_quick(tmp_path, "--target", "0", "--max-steps", "500", "--sides", "sync,trl")
+    for m in r["metrics"].values():
+        assert m["stopped_by"] == "target" and m["reached_target"] is True
+        assert len(m["curve"]) == 1 and m["steps_trained"] == 0 and m["time_to_target_s"] == 0
+    assert r["metrics"]["sync"]["interrupted"] is True  # 500 steps asked: the run was stopped, not finished
+    assert r["metrics"]["trl"]["optimizer_steps"] == 0
+    assert r["ratios"]["relayrl_vs_trl_time_to_acc_kind"] == "undetermined"  # both at the target before training
+
+
+def side(time_s: float | None, total_s: float, samples: int | None = None, trained: int = 64) -> dict:
+    return {"time_to_target_s": time_s, "wall_s_excl_eval_total": total_s, "samples_to_target": samples,
+            "samples_trained": trained}
+
+
+def test_ratio_exact_and_bounds():
+    args = ("time_to_target_s", "wall_s_excl_eval_total")
+    assert tta.ratio(side(100, 100), side(50, 60), *args) == {"value": 2.0, "kind": "exact", "bound": None}
+    lower = tta.ratio(side(None, 300), side(50, 60), *args)  # num missed the target: its time is > 300
+    assert lower["kind"] == "lower_bound" and lower["bound"] == ">= 6" and lower["value"] is None
+    upper = tta.ratio(side(100, 100), side(None, 400), *args)  # den missed it: its time is > 400
+    assert upper["kind"] == "upper_bound" and upper["bound"] == "<= 0.25"
+    assert tta.ratio(side(None, 1), side(None, 1), *args)["kind"] == "undetermined"
+    assert tta.ratio(side(100, 100), None, *args)["kind"] == "not_run"
+
+
+def test_ratios_name_sync_over_async_and_trl_over_sync():
+    m = {"sync": side(120, 120, 640), "async": side(60, 60, 704), "trl": side(None, 600, None, 960)}
+    r = tta.ratios(m)
+    assert r["async_vs_sync_time_to_acc"] == 2.0 and r["async_vs_sync_time_to_acc_kind"] == "exact"
+    assert r["async_vs_sync_samples_to_acc"] == 640 / 704
+    assert r["relayrl_vs_trl_time_to_acc"] is None and r["relayrl_vs_trl_time_to_acc_bound"] == ">= 5"
+    assert r["relayrl_vs_trl_samples_to_acc_bound"] == ">= 1.5"
+
+
+def test_stop_rule_fires_at_target_then_budget():
+    a = tta.parse_args(["--target", "0.5", "--budget-min", "1"])
+    stop = tta.stop_rule(a)
+    point = lambda p, wall: {"step": int(wall), "samples": 4 * int(wall), "pass@1": p, "wall_s_excl_eval": wall}
+    assert stop([]) is None and stop([point(0.4, 59)]) is None
+    assert stop([point(0.5, 10)]) == "target" and stop([point(0.4, 60)]) == "budget"
+    settled = tta.settle({"curve": [point(0.1, 0), point(0.6, 5), point(0.7, 9)]}, stop)
+    assert len(settled["curve"]) == 2 and settled["stopped_by"] == "target" and settled["steps_trained"] == 5
+    assert tta.settle({"curve": [point(0.1, 0), point(0.2, 5)]}, stop)["stopped_by"] == "max_steps"
