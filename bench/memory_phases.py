@@ -36,6 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="examples/arithmetic_grpo.yaml")
     p.add_argument("--steps", type=int, default=2, help="training steps (eval runs at start, after each, at end)")
+    p.add_argument("--eval-every", type=int, default=1, help="eval.every (0: eval at start and end only)")
     p.add_argument("--quick", action="store_true", help="tiny random model, 1 step, result not recorded")
     p.add_argument("--out", default="bench/results/memory_phases.json")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. engine.kv_cache_gb=0.2")
@@ -143,7 +144,7 @@ def run_job(a) -> dict:
     from relayrl.run.loop import train_colocated
 
     with tempfile.TemporaryDirectory(prefix="bench_phases_") as tmp:
-        over = [*a.overrides, f"run.output_dir={tmp}", f"run.steps={a.steps}", "eval.every=1",
+        over = [*a.overrides, f"run.output_dir={tmp}", f"run.steps={a.steps}", f"eval.every={a.eval_every}",
                 "eval.at_start=true", "eval.at_end=true", "run.save_final=true", "run.print_samples=0"]
         cfg = load_run_config(a.config, over)
         sampler.set("build")
@@ -179,11 +180,11 @@ def main() -> None:
         a.steps = 1
     load = _common.load_before_run()
     res = {**_common.result_header("memory_phases"), "load_before": load, "config": a.config,
-           "overrides": a.overrides, "steps": a.steps}
+           "overrides": a.overrides, "steps": a.steps, "eval_every": a.eval_every}
     with tempfile.TemporaryDirectory(prefix="bench_phases_res_") as d:
         out = os.path.join(d, "result.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--config", a.config, "--steps", str(a.steps),
-               *overrides, "--result-file", out]
+               "--eval-every", str(a.eval_every), *overrides, "--result-file", out]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
         proc = subprocess.run(cmd, env=env, cwd=_common.REPO, stdout=sys.stderr)
         if proc.returncode:
