@@ -125,8 +125,7 @@ class EngineConfig:
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
     num_engines: int = 1  # local engines in this process, or servers to launch (engine.launch)
     max_tokens_in_flight: int | None = None  # admit requests while sum(prompt + max_new_tokens) fits
-    # local engines: byte budget of each engine's KV cache in GB (1e9 bytes); requests beyond it wait their turn
-    kv_cache_gb: float | None = None  # None: bounded by max_batch_size (and max_tokens_in_flight) only
+    kv_cache_gb: float | None = None  # each local engine's KV cache budget, GB (1e9 B); requests beyond it queue
     prefix_cache_size: int = 64  # finished trajectories whose KV is kept for their next turn
     kv_on_update: Literal["recompute", "keep"] = "recompute"  # KV of running sequences after a weight update
     # colocated synchronous runs: local engines give back their KV cache and weights while the trainer trains

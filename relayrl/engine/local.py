@@ -15,6 +15,7 @@ LoRA adapters (relayrl.trainer.lora) arrive the same way and are merged into a c
 Memory: `kv_cache_bytes` caps the slot KV cache (slots x length x bytes per token): a request joins the batch
 only while the grown cache still fits, the rest wait in the queue (never dropped), so eval sets of any size or
 long prompts run in a bounded cache. Without it, max_batch_size and max_tokens_in_flight bound the batch.
+(Parked prefixes of finished trajectories are copies outside the cache, bounded by prefix_cache_size.)
 
 A finished request that names a trajectory (`rid`) leaves its KV cache parked; the trajectory's next
 turn (a prompt that extends the parked tokens) reuses it and prefills only the new tokens.
