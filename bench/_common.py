@@ -1,4 +1,9 @@
-"""Shared helpers for the bench scripts: the result header (date, commit, machine, command) and atomic JSON writes."""
+"""Shared helpers for the bench scripts: the result header (date, commit, machine, command) and atomic JSON writes.
+
+Importing it puts this checkout first on sys.path (and on PYTHONPATH, for the subprocesses a bench starts): a
+script run as `python bench/x.py` would otherwise import whichever relayrl is installed (an editable install of
+another checkout, say) and measure that code under this checkout's commit.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from relayrl.common.utils import atomic_write_text
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
+from relayrl.common.utils import atomic_write_text  # noqa: E402 - after the path above
 
 
 def git_commit() -> str:

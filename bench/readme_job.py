@@ -6,8 +6,10 @@ subprocess and reads its run folder. `--cpu avx2` runs it as on a CPU without AV
 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2: bf16 matmuls drop to ~1 GFLOP/s, so `engine.dtype: auto`
 picks float32), which is how an AVX2-only laptop behaves on any x86 machine.
 
-Peak RSS is the trainer process's own high-water mark (getrusage of the child; judge workers are separate
-processes and add about 0.15 GB).
+`peak_rss_gb` is the trainer process's own high-water mark: getrusage(RUSAGE_CHILDREN).ru_maxrss is the largest
+single descendant's peak, never a sum, and the trainer is the largest. The judge workers (the trainer's own
+child processes, about 0.15 GB together) are sampled every 50 ms and reported apart (`judge_workers_peak_rss_gb`);
+`tree_peak_rss_gb` is the sampled peak of trainer + workers together.
 
     .venv/bin/python bench/readme_job.py                  # this CPU as it is
     .venv/bin/python bench/readme_job.py --cpu avx2       # as on an AVX2-only CPU
@@ -23,10 +25,12 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import _common
+from memory_phases import descendants, proc_rss
 
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
@@ -49,24 +53,40 @@ def run(a, tmp: str) -> dict:
     cmd = [str(Path(sys.executable).with_name("relayrl")), "train", "--config", a.config,
            f"run.output_dir={tmp}", *a.overrides]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=_common.REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
+    proc = subprocess.Popen(cmd, env=env, cwd=_common.REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    peaks = {"workers": 0, "tree": 0}
+    watcher = threading.Thread(target=watch_tree, args=(proc, peaks), daemon=True)
+    watcher.start()
+    output = proc.communicate()[0]
+    watcher.join()
     wall = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    sys.stderr.write(proc.stdout[-4000:])
+    sys.stderr.write(output[-4000:])
     if proc.returncode:
         raise SystemExit(f"relayrl train failed with exit code {proc.returncode}")
     (run_dir,) = Path(tmp).iterdir()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in rows if "eval/pass@1" in r]
     steps = [r for r in rows if "train/loss" in r]
-    precision = next((line for line in proc.stdout.splitlines() if line.startswith("precision:")), "")
+    precision = next((line for line in output.splitlines() if line.startswith("precision:")), "")
     return {"wall_s": round(wall, 1), "wall_min": round(wall / 60, 2), "peak_rss_gb": round(peak / 1e9, 3),
+            "judge_workers_peak_rss_gb": round(peaks["workers"] / 1e9, 3),
+            "tree_peak_rss_gb": round(peaks["tree"] / 1e9, 3),
             "steps": len(steps), "precision": precision,
             "step_s_median": sorted(r["time/step_s"] for r in steps)[len(steps) // 2],
             "rollout_s_median": sorted(r["time/rollout_s"] for r in steps)[len(steps) // 2],
             "train_s_median": sorted(r["time/train_s"] for r in steps)[len(steps) // 2],
             "eval": [{"step": r["step"], "pass@1": r["eval/pass@1"]} for r in evals]}
+
+
+def watch_tree(proc: subprocess.Popen, peaks: dict) -> None:
+    """Sample the RSS of the trainer's descendants (judge workers) and of trainer + them, until it exits."""
+    while proc.poll() is None:
+        workers = sum(proc_rss(pid) for pid in descendants(proc.pid))
+        peaks["workers"] = max(peaks["workers"], workers)
+        peaks["tree"] = max(peaks["tree"], workers + proc_rss(proc.pid))
+        time.sleep(0.05)
 
 
 def main() -> None:

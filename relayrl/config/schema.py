@@ -125,6 +125,7 @@ class EngineConfig:
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
     num_engines: int = 1  # local engines in this process, or servers to launch (engine.launch)
     max_tokens_in_flight: int | None = None  # admit requests while sum(prompt + max_new_tokens) fits
+    kv_cache_gb: float | None = None  # each local engine's KV cache budget, GB (1e9 B); requests beyond it queue
     prefix_cache_size: int = 64  # finished trajectories whose KV is kept for their next turn
     kv_on_update: Literal["recompute", "keep"] = "recompute"  # KV of running sequences after a weight update
     # colocated synchronous runs: local engines give back their KV cache and weights while the trainer trains
@@ -158,6 +159,7 @@ class EngineConfig:
 
     def validate(self) -> None:
         check(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")
+        check(self.kv_cache_gb is None or self.kv_cache_gb > 0, "kv_cache_gb", "must be > 0 (or null: no budget)")
         check(self.num_engines >= 1, "num_engines", "must be >= 1")
         check(self.retries >= 0, "retries", "must be >= 0")
         check(self.request_timeout > 0, "request_timeout", "must be > 0")

@@ -11,6 +11,9 @@ the new keys/values of the current forward and attend over what it returns. In a
 (relayrl.engine.attention's C kernel) `update()` hands the new keys/values back untouched and the
 attention function calls `attend()`, which writes them into the slots and attends in one pass.
 The slots live on the model's device (LocalEngine passes it); only the fused CPU kernel path is CPU-bound.
+
+The cache is a rectangle (slots x length): `bytes_for` says what a shape costs, so that an engine with a byte
+budget (engine.kv_cache_gb) admits only the sequences whose grown rectangle still fits and queues the rest.
 """
 
 from __future__ import annotations
@@ -56,6 +59,15 @@ class SlotKVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Keys and values of one position of one slot, all layers."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+    def bytes_for(self, slots: int, length: int) -> int:
+        """What `ensure(slots, length)` would make the cache hold, in bytes."""
+        return max(slots, self.slots) * max(length, self.length) * self.bytes_per_token
 
     # ---- slot bookkeeping --------------------------------------------------------------------
     def copy_slot(self, src: int, dst: int, length: int) -> None:

@@ -12,6 +12,11 @@ of the weights that sampled it. Running sequences then continue with the new wei
 rollout); with kv_on_update="recompute" their KV cache is first rebuilt under the new weights.
 LoRA adapters (relayrl.trainer.lora) arrive the same way and are merged into a copy of the base weights.
 
+Memory: `kv_cache_bytes` caps the slot KV cache (slots x length x bytes per token): a request joins the batch
+only while the grown cache still fits, the rest wait in the queue (never dropped), so eval sets of any size or
+long prompts run in a bounded cache. Without it, max_batch_size and max_tokens_in_flight bound the batch.
+(Parked prefixes of finished trajectories are copies outside the cache, bounded by prefix_cache_size.)
+
 A finished request that names a trajectory (`rid`) leaves its KV cache parked; the trajectory's next
 turn (a prompt that extends the parked tokens) reuses it and prefills only the new tokens.
 
@@ -74,7 +79,7 @@ class LocalEngine:
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: Iterable[int], max_batch_size: int = 64,
                  max_seq_len: int | None = None, seed: int = 0, max_tokens_in_flight: int | None = None,
                  prefix_cache_size: int = 64, kv_on_update: str = "recompute", attention: str = "auto",
-                 owns_weights: bool = True):
+                 owns_weights: bool = True, kv_cache_bytes: int | None = None):
         if kv_on_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_update must be 'recompute' or 'keep', got {kv_on_update!r}")
         if attention not in ("auto", "kernel", "sdpa"):
@@ -87,8 +92,12 @@ class LocalEngine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.device = model_device(model)
+        if kv_cache_bytes is not None and kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be > 0, got {kv_cache_bytes}")
+        # grown on the first admission to what the batch needs: start at one small slot
         self.cache = SlotKVCache(cfg.num_hidden_layers, kv_heads, head_dim, next(model.parameters()).dtype,
-                                 device=self.device)
+                                 slots=1, length=64, device=self.device)
+        self.kv_cache_bytes = kv_cache_bytes
         self._params = dict(model.named_parameters())
         self._state = model.state_dict(keep_vars=True)  # also holds tied aliases (lm_head.weight)
         self._lora_base: dict[str, torch.Tensor] = {}  # adapted weights before their first LoRA merge
@@ -133,6 +142,11 @@ class LocalEngine:
             raise ValueError("input_ids is empty")
         if len(input_ids) >= self.max_seq_len:
             raise ValueError(f"prompt of {len(input_ids)} tokens does not fit max_seq_len={self.max_seq_len}")
+        kv = self._kv_len(len(input_ids), params.max_new_tokens) * self.cache.bytes_per_token
+        if self.kv_cache_bytes and kv > self.kv_cache_bytes:
+            raise ValueError(f"a prompt of {len(input_ids)} tokens + max_new_tokens={params.max_new_tokens} needs "
+                             f"{kv / 1e9:.4f} GB of KV cache alone, more than the budget of "
+                             f"{self.kv_cache_bytes / 1e9:.4f} GB (engine.kv_cache_gb)")
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = _Seq(list(input_ids), params, concurrent.futures.Future(), stop, gen, rid=rid)
@@ -339,16 +353,34 @@ class LocalEngine:
                 self.stats["busy_s"] += time.perf_counter() - t0
 
     def _take_admissible(self) -> list[_Seq]:
-        """Waiting requests that fit the free slots and the tokens-in-flight budget (called under _cond)."""
+        """Waiting requests that fit the free slots, the tokens-in-flight budget and the KV cache's byte budget
+        (called under _cond); the first in line always fits an empty engine (submit checks it)."""
         used = sum(q.cost for q in self._active)
         new: list[_Seq] = []
+        kv_len = 0
         while self._waiting and len(self._active) + len(new) < self.max_batch_size:
-            cost = self._waiting[0].cost
+            head = self._waiting[0]
+            cost, head_len = head.cost, self._kv_len(len(head.prompt), head.params.max_new_tokens)
             if self.max_tokens_in_flight and used + cost > self.max_tokens_in_flight and (self._active or new):
                 break
+            if not self._kv_fits(len(new) + 1, max(kv_len, head_len)):
+                break
             new.append(self._waiting.popleft())
-            used += cost
+            used, kv_len = used + cost, max(kv_len, head_len)
         return new
+
+    def _kv_len(self, prompt_len: int, max_new_tokens: int) -> int:
+        """The cache length a request needs (what `_admit` grows the cache to)."""
+        return min(_round_up(prompt_len + max_new_tokens, 64), self.max_seq_len)
+
+    def _kv_fits(self, n_new: int, length: int) -> bool:
+        """Would the cache, grown for n_new more sequences of up to `length` positions, stay within budget? An
+        idle engine's cache is reshaped from scratch (`_admit`), so only the new requests count then."""
+        if not self.kv_cache_bytes:
+            return True
+        if not self._active:
+            return n_new * length * self.cache.bytes_per_token <= self.kv_cache_bytes
+        return self.cache.bytes_for(len(self._active) + n_new, length) <= self.kv_cache_bytes
 
     def _drop_cancelled(self) -> None:
         for i in range(len(self._active) - 1, -1, -1):
@@ -367,8 +399,11 @@ class LocalEngine:
         groups: dict[tuple[int, ...], list[_Seq]] = {}
         for seq in new:
             groups.setdefault(tuple(seq.prompt), []).append(seq)
-        need_len = max((len(s.prompt) + s.params.max_new_tokens for s in new), default=0)
-        self.cache.ensure(len(self._active) + len(new), min(_round_up(need_len, 64), self.max_seq_len))
+        need_len = max((self._kv_len(len(s.prompt), s.params.max_new_tokens) for s in new), default=0)
+        slots = len(self._active) + len(new)
+        if self.kv_cache_bytes and not self._active and self.cache.bytes_for(slots, need_len) > self.kv_cache_bytes:
+            self.cache.release()  # idle: a different shape (more slots, shorter) fits the budget where growing won't
+        self.cache.ensure(slots, need_len)
         for prompt, seqs in groups.items():
             first = len(self._active)
             twin = self._running_twin(prompt)

@@ -36,8 +36,9 @@ def train_colocated(c: Components) -> dict[str, float]:
         metrics |= rollout_metrics(batch)
         c.rollouts.release_memory()
         metrics |= c.train_ctl.fit(batch)
+        trim_memory()  # the step's activations are free: give their pages back before the engine's weights return
         metrics["time/weight_sync_s"] = relay_weights(c)
-        trim_memory()  # the step's activations and gradients are free: give their pages back before rollout
+        trim_memory()  # and what the sync freed, before rollout
         metrics |= _perf(c, metrics, time.perf_counter() - t0)
         _log(c, step, metrics, bar, batch)
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.run.steps:

@@ -109,6 +109,9 @@ class InProcessRollouts:
         self.eval_data.reset()
         stats = self.env.produce_batch(self.eval_data, len(self.eval_data), agent=self.eval_agent)
         metrics = self.evaluator.evaluate(self.eval_data.get_batch())
+        if not self.asynchronous and self.cfg.engine.release_during_train:  # the KV cache is idle until the next
+            self.rollout_ctl.release_memory(weights=False)  # rollout: not held through a checkpoint or final save
+            trim_memory()
         return metrics | {"eval/rejected": stats.get("judge/rejected", 0.0)}  # not in the eval means: visible here
 
     @contextlib.contextmanager

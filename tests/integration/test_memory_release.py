@@ -114,3 +114,24 @@ def test_colocated_step_releases_the_engine_while_training(tiny_path, tmp_path):
             assert torch.equal(p, trained[name].detach()), name
     finally:
         c.close()
+
+
+def _eval_run(tiny_path, tmp_path, **extra):
+    """A colocated run's eval (4 prompts x 4 samples): its metrics and the engine's KV bytes after it."""
+    tmp_path.mkdir()
+    cfg = _cfg(tiny_path, tmp_path, **{"data.eval.source": write_sums(tmp_path / "e.jsonl", 4), "eval.size": 4,
+                                       "eval.n": 4, "eval.temperature": 1.0, **extra})
+    c = build(cfg)
+    try:
+        metrics = c.rollouts.evaluate()
+        return metrics, c.rollout_ctl.engines[0].cache.nbytes()
+    finally:
+        c.close()
+
+
+def test_eval_gives_back_its_kv_and_a_kv_budget_leaves_its_results_unchanged(tiny_path, tmp_path):
+    free, kv_after = _eval_run(tiny_path, tmp_path / "free")
+    assert kv_after == 0  # idle until the next rollout: not held through a checkpoint or the final save
+    # 2 sequences of 64 positions at a time (tiny model: 2 layers x 2 x 2 kv heads x 16 x 4 bytes per position)
+    held, _ = _eval_run(tiny_path, tmp_path / "held", **{"engine.kv_cache_gb": 2 * 64 * 512 / 1e9})
+    assert held == free and free["eval/samples"] == 16
