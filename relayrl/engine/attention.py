@@ -28,6 +28,7 @@ import subprocess
 from pathlib import Path
 
 import torch
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from relayrl.common.utils import cache_dir
@@ -126,8 +127,6 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, rela
 
 def install(model: torch.nn.Module) -> bool:
     """Route `model`'s attention through slot_attention; False (model untouched) unless it runs SDPA."""
-    from transformers import AttentionInterface
-
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", NAME):
         return False
     AttentionInterface.register(NAME, slot_attention)

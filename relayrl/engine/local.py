@@ -35,8 +35,10 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from relayrl.common.device import model_device
 from relayrl.common.utils import release_openmp_threads
@@ -201,10 +203,6 @@ class LocalEngine:
 
     def load_weights_from_disk(self, path: str, version: int) -> None:
         """Load every *.safetensors file of a folder (e.g. a saved HF model) as new weights."""
-        from pathlib import Path
-
-        from safetensors.torch import load_file
-
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no .safetensors files in {path}")

@@ -17,6 +17,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.utils import logging as hf_logging
 
 from relayrl.common.device import resolve_device
 from relayrl.models.hub import cached_snapshot, looks_like_repo_id
@@ -93,8 +94,6 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
         dtype = DTYPES[dtype]
-    from transformers.utils import logging as hf_logging
-
     target = resolve_device(device or "cpu")  # an unusable device fails before the weights are read
     hf_logging.disable_progress_bar()  # a per-tensor "Loading weights" bar per model drowns the run log
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=dtype, local_files_only=True,

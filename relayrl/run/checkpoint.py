@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from relayrl.common.utils import atomic_write_text, check_writable
 from relayrl.config import ConfigError, dump_yaml, to_dict
@@ -373,8 +374,6 @@ def restore(c: Components, ckpt: Path) -> int:
 
 def load_weights(model: torch.nn.Module, folder: Path) -> None:
     """Copy a saved HF folder's safetensors into `model` in place (tied weights are saved once)."""
-    from safetensors.torch import load_file
-
     tensors = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
     with torch.no_grad():
         for name, p in model.named_parameters():

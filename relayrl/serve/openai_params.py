@@ -14,6 +14,8 @@ import json
 import logging
 from typing import Any
 
+from jinja2 import TemplateError
+
 from relayrl.engine.base import SamplingParams
 from relayrl.serve.errors import BadRequest
 from relayrl.serve.limits import (
@@ -153,8 +155,6 @@ def check_size(parts: list[Any], limits: ServerLimits, field: str) -> None:
 def render_error(e: Exception) -> BadRequest:
     """A chat template that fails on the messages is the request's fault; only a template's own message
     (raise_exception: "roles must alternate ...") is passed on, anything else goes to the log."""
-    from jinja2 import TemplateError
-
     if type(e) is TemplateError and str(e):
         return BadRequest("messages", f"the chat template refuses them: {str(e)[:300]}")
     log.warning("chat template failed on a request's messages", exc_info=True)

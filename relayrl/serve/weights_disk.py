@@ -22,6 +22,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from safetensors import safe_open
+from safetensors.torch import load_file
+
 from relayrl.serve.errors import ApiError, BadRequest
 from relayrl.serve.limits import INT64, number
 
@@ -59,8 +62,6 @@ def resolve_under_root(root: Path | None, raw: Any) -> Path:
 
 def _headers(files: list[Path], root: Path, shown: str) -> dict[str, tuple[Path, tuple[int, ...]]]:
     """name -> (file, shape) from the safetensors headers, each file's real path checked against the root."""
-    from safetensors import safe_open
-
     real_root, found = Path(os.path.realpath(root)), {}
     for f in files:
         real = Path(os.path.realpath(f))
@@ -82,8 +83,6 @@ def _headers(files: list[Path], root: Path, shown: str) -> dict[str, tuple[Path,
 
 def load_checked(model_state: dict[str, Any], root: Path, folder: Path, shown: str) -> dict[str, Any]:
     """Check every file's names and shapes against the served model, then load them."""
-    from safetensors.torch import load_file
-
     if not folder.is_dir():
         raise BadRequest("model_path", f"{shown} is not a directory")
     files = sorted(folder.glob("*.safetensors"))
