@@ -1,4 +1,5 @@
-"""What the hardware does natively, and the engine dtype chosen from it (`engine.dtype: auto`).
+"""What the hardware does natively, and the engine dtype chosen from it (`engine.dtype: auto`: bf16 on GPUs
+that have it, float32 on CPUs, see `resolve_dtype`).
 
 Why measure: bf16 is 2-4x faster than fp32 where the CPU has AVX512-BF16 or AMX, and about 65x *slower* where
 it has only AVX2 (PyTorch then emulates it). torch's capability string does not tell the two apart ("AVX512"
@@ -84,11 +85,18 @@ def bf16_support(device: str = "cpu") -> Bf16Support:
 
 
 def resolve_dtype(setting: str, device: str = "cpu") -> tuple[str, str]:
-    """An engine dtype setting -> (dtype name, reason); "auto" is bfloat16 where native, else float32."""
+    """An engine dtype setting -> (dtype name, reason). "auto": bfloat16 on a GPU that has it; float32 on every
+    CPU. On a CPU even native bf16 loses end to end: measured side by side on the README job (2 AMX cores,
+    docs/benchmarks.md), a bf16 engine beside an fp32 trainer with bf16 autocast took 20.3 s per step and reached
+    53.5% pass@1, one fp32 model shared by engine and trainer 11.1 s and 73.0% (no weight copy to sync, no
+    autocast casts, engine and trainer logprobs equal); bf16 can still be set explicitly."""
     if setting != "auto":
         return setting, "set in the config"
     support = bf16_support(device)
-    return ("bfloat16" if support.native else "float32"), support.reason
+    if device.startswith("cuda"):
+        return ("bfloat16" if support.native else "float32"), support.reason
+    native = "native" if support.native else "not native"
+    return "float32", f"CPU: float32, one model for engine and trainer (bf16 {native} here: {support.reason})"
 
 
 def _gflops(dtype: torch.dtype, n: int = 256, seconds: float = 0.03) -> float:

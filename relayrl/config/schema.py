@@ -119,7 +119,7 @@ class ModelConfig:
 @dataclass
 class EngineConfig:
     kind: Literal["local", "remote"] = "local"  # remote: inference servers over HTTP (RemoteEngine)
-    # auto: bfloat16 where bf16 matmuls are native, else float32 (relayrl.common.hardware; logged at start)
+    # auto: bfloat16 on a GPU with bf16, float32 on CPUs (faster there end to end; relayrl.common.hardware)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_batch_size: int = 64  # sequences decoded together
     max_seq_len: int | None = None  # default: the model's max_position_embeddings

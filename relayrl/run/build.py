@@ -150,9 +150,9 @@ def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) 
 
 
 def resolve_precision(cfg: Config, quiet: bool = False) -> Config:
-    """engine.dtype "auto" -> what this machine runs natively (relayrl.common.hardware); model.autocast_bf16 "auto" ->
-    the engine's precision (bf16 autocast when the engine runs bf16), so trainer and engine logprobs agree as
-    closely as they can, on the run's device (run.device). The choice and its reason are printed once (the first
+    """engine.dtype "auto" -> float32 on CPUs, bf16 on GPUs that have it (relayrl.common.hardware); model.autocast_bf16
+    "auto" -> the engine's precision (bf16 autocast when the engine runs bf16), so trainer and engine logprobs agree
+    as closely as they can, on the run's device (run.device). The choice and its reason are printed once (the first
     line of the run's start block, relayrl/tracking/progress.py); config.yaml records the resolved dtypes
     (run.device stays as set: "auto" resolves again where the run resumes)."""
     device = resolve_device(cfg.run.device)

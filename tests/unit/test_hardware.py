@@ -1,4 +1,5 @@
-"""Hardware-aware dtypes: engine.dtype auto is bf16 only where bf16 matmuls are native."""
+"""Hardware-aware dtypes: engine.dtype auto is float32 on CPUs (bf16 loses end to end there, even where native),
+bf16 only on GPUs that have it; what the CPU does natively is measured once and reported."""
 
 import json
 import os
@@ -31,7 +32,7 @@ def test_auto_follows_the_measurement_and_caches_it(tmp_path):
         assert got == "float32" and not entries  # decided from the CPU flags, nothing to measure
         return
     (entry,) = entries.values()
-    assert got == ("bfloat16" if entry["bf16_gflops"] >= entry["fp32_gflops"] else "float32")
+    assert got == "float32" and entry["bf16_gflops"] > 0 and entry["fp32_gflops"] > 0  # measured, reported
     # another switch setting is another machine as far as the cache goes
     _probe(tmp_path, ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
     assert len(json.loads((tmp_path / "hardware.json").read_text())) == 2
@@ -42,7 +43,7 @@ def test_cpu_without_bf16_flags_never_gets_bf16(monkeypatch):
     hardware.bf16_support.cache_clear()
     try:
         dtype, why = hardware.resolve_dtype("auto")
-        assert dtype == "float32" and "no avx512_bf16" in why
+        assert dtype == "float32" and "no avx512_bf16" in why and "not native" in why
     finally:
         hardware.bf16_support.cache_clear()
     assert hardware.resolve_dtype("bfloat16") == ("bfloat16", "set in the config")
@@ -56,6 +57,5 @@ def test_trainer_autocast_follows_the_engine_precision(capsys):
     cfg = resolve_precision(load_run_config(None, ["engine.dtype=float32", "model.autocast_bf16=true"]))
     assert cfg.model.autocast_bf16 is True
     auto = resolve_precision(load_run_config(None, []))
-    assert auto.engine.dtype in ("bfloat16", "float32")
-    assert auto.model.autocast_bf16 == (auto.engine.dtype == "bfloat16")
+    assert auto.engine.dtype == "float32" and auto.model.autocast_bf16 is False  # run.device auto: the CPU here
     assert "precision: engine" in capsys.readouterr().out
