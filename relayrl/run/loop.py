@@ -12,13 +12,14 @@ import time
 from tqdm import tqdm
 
 from relayrl.common.device import resolve_device
-from relayrl.common.utils import trim_memory
+from relayrl.common.utils import read_jsonl, trim_memory
 from relayrl.config.schema import Config
 from relayrl.run import checkpoint
 from relayrl.run.build import build, build_follower
 from relayrl.run.components import Components
 from relayrl.run.evaluator import rollout_metrics
 from relayrl.sample import Sample
+from relayrl.tracking.plot import plot_run
 from relayrl.tracking.progress import Progress, start_block
 from relayrl.trainer.fsdp import init_distributed, shutdown_distributed
 from relayrl.trainer.leader import follow, lead, stop_followers
@@ -58,7 +59,24 @@ def _finish(c: Components, last_eval: dict[str, float]) -> dict[str, float]:
         last_eval = _evaluate(c, c.cfg.run.steps)
     if c.cfg.run.save_final:
         tqdm.write(f"model saved to {c.save_model(c.run_dir / 'model')}")
+    _summary(c)
     return last_eval
+
+
+def _summary(c: Components) -> None:
+    """The run's last lines: held-out pass@1 from the first eval to the last, and the curves drawn to a PNG
+    (RUN_DIR/curves.png; `relayrl plot` draws several runs together). Drawing never fails the run."""
+    if c.logger is None:
+        return
+    evals = [r for r in read_jsonl(c.run_dir / "metrics.jsonl") if "eval/pass@1" in r]
+    if len(evals) >= 2:
+        first, last = evals[0], evals[-1]
+        tqdm.write(f"held-out pass@1: {first['eval/pass@1']:.1%} at step {first['step']} -> "
+                   f"{last['eval/pass@1']:.1%} at step {last['step']}")
+    try:
+        tqdm.write(f"curves: {plot_run([c.run_dir], c.run_dir / 'curves.png')}")
+    except Exception as e:  # noqa: BLE001 - a plotting problem must not fail a finished run
+        tqdm.write(f"curves not drawn: {e}")
 
 
 def train_async(c: Components) -> dict[str, float]:

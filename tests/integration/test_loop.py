@@ -85,6 +85,10 @@ def test_cli_train_runs_and_writes_a_run(tiny_path, dataset, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "final eval" in proc.stdout and "step" in proc.stdout
     assert (tmp_path / "t" / "metrics.jsonl").is_file()
+    # the last lines: held-out pass@1 at the first and the last eval, and where the curves are
+    assert "held-out pass@1: " in proc.stdout and "at step 0 -> " in proc.stdout and "at step 1" in proc.stdout
+    curves = tmp_path / "t" / "curves.png"
+    assert f"curves: {curves}" in proc.stdout and curves.read_bytes()[:4] == b"\x89PNG"
     assert main(["plot", str(tmp_path / "t")]) == 0 and (tmp_path / "t" / "reward.png").is_file()
 
 
