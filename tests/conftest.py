@@ -82,3 +82,11 @@ def relayrl_servers(model_path: str, logs: Path, n: int = 2, weights_root: Path 
     finally:
         for s in servers:
             s.stop()
+
+
+def default_sigint() -> None:
+    """Popen preexec_fn for tests that send SIGINT: a shell runs background jobs with SIGINT ignored, the child
+    inherits that and Python then installs no KeyboardInterrupt handler, so Ctrl-C would never reach the run."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TESTS, tiny_run_args, write_sums
+from conftest import TESTS, default_sigint, tiny_run_args, write_sums
 from engines_for_tests import HaltingEngine
 from sandbox_helpers import UNAVAILABLE
 
@@ -191,7 +191,7 @@ def test_ctrl_c_stops_everything_quickly(tiny_path, data, tmp_path, placement):
         "agent.kind": "tool", "scheduler.placement": placement}.items()]
     env = {**os.environ, "PYTHONPATH": TESTS, "RELAYRL_TEST_MARKER": marker}
     proc = subprocess.Popen([sys.executable, "-m", "relayrl.cli", "train", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=default_sigint)
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob("run/metrics.jsonl")) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TESTS, USER_OUTPUTS, tiny_run_args, write_sums
+from conftest import TESTS, USER_OUTPUTS, default_sigint, tiny_run_args, write_sums
 from safetensors.torch import load_file
 
 pytest.importorskip("ray")
@@ -132,7 +132,7 @@ def test_ctrl_c_stops_every_actor_and_server(tiny_path, local_run):
     seed = 7000 + os.getpid() % 1000  # launched servers carry --seed SEED: how we find leftovers
     proc = subprocess.Popen(args(tiny_path, data, out, "stopped", launcher="ray", **{
         "run.steps": 500, "run.seed": seed, "engine.kind": "remote", "engine.launch": "relayrl"}),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, preexec_fn=default_sigint)
     try:
         _wait_for_line(proc, " 1 ", timeout=180)  # the first step's table row
         t0 = time.monotonic()
