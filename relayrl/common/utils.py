@@ -175,3 +175,16 @@ def trim_memory() -> None:
 def cache_dir() -> Path:
     """Where prepared and tiny models live: $RELAYRL_CACHE, else ~/.cache/relayrl."""
     return Path(os.environ.get("RELAYRL_CACHE") or Path.home() / ".cache" / "relayrl").expanduser()
+
+
+def close_all(closers) -> None:
+    """Call every closer in order (None entries skipped) even if one fails, then raise the first failure: one
+    part that fails to close must not leak the processes and threads of the others."""
+    errors = []
+    for close in filter(None, closers):
+        try:
+            close()
+        except Exception as e:  # noqa: PERF203 - keep closing the rest
+            errors.append(e)
+    if errors:
+        raise errors[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from relayrl.common.utils import close_all
 from relayrl.config.schema import Config
 from relayrl.models import save_pretrained_atomic
 from relayrl.run.launcher import ManagedServer
@@ -64,12 +65,4 @@ class Components:
 
     def close(self) -> None:
         """Release everything, rollouts first (they may be using the rest), each part even if another fails."""
-        parts = [self.rollouts.close, self.logger and self.logger.close, *(s.stop for s in self.servers)]
-        errors = []
-        for close in filter(None, parts):
-            try:
-                close()
-            except Exception as e:  # noqa: PERF203 - one failure must not leak the other processes
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        close_all([self.rollouts.close, self.logger and self.logger.close, *(s.stop for s in self.servers)])

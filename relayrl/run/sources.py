@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from relayrl.agents.base import Agent
-from relayrl.common.utils import trim_memory
+from relayrl.common.utils import close_all, trim_memory
 from relayrl.config.schema import Config
 from relayrl.data.manager import DataManager
 from relayrl.engine.rollout import RolloutController
@@ -150,12 +150,5 @@ class InProcessRollouts:
 
     def close(self) -> None:
         """Release each part even if another fails (the scheduler thread first: it uses the rest)."""
-        errors = []
-        for close in (self.env.close, self.rollout_ctl.close, self.judge.close):
-            try:
-                close()
-            except Exception as e:  # noqa: PERF203 - one failure must not leak the other processes
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        close_all([self.env.close, self.rollout_ctl.close, self.judge.close])
 

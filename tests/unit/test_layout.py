@@ -138,3 +138,4 @@ def test_function_local_imports_only_where_a_reason_is_recorded():
 
 def test_the_checks_see_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
