@@ -360,6 +360,18 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", repr(tp))
 
 
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"algo": {"clip_low": 0.2}} -> {"algo.clip_low": 0.2}: a config as dotted keys (the override syntax);
+    lists and empty dicts stay whole values."""
+    out: dict[str, Any] = {}
+    for k, v in config.items():
+        if isinstance(v, Mapping) and v:
+            out |= flatten(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def to_dict(obj: Any) -> Any:
     """Plain data (dicts, lists, scalars) from a config: tuples become lists so YAML stays plain; the
     result round-trips through `from_dict`."""

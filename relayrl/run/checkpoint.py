@@ -49,7 +49,7 @@ import yaml
 from safetensors.torch import load_file
 
 from relayrl.common.utils import atomic_write_text, check_writable
-from relayrl.config import ConfigError, dump_yaml, to_dict
+from relayrl.config import ConfigError, dump_yaml, flatten, to_dict
 from relayrl.config.schema import Config
 from relayrl.run.checkpoint_dist import read_trainer, write_trainer
 from relayrl.run.checkpoint_logs import log_sizes, set_aside_after, set_aside_all
@@ -384,17 +384,10 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
 
 def config_changes(cfg: Config, ckpt: Path) -> list[str]:
     """Keys outside run.* and eval.* whose values differ from the checkpoint's config (exactness needs none)."""
-    old = _flat(yaml.safe_load((ckpt / "config.yaml").read_text()))
-    new = _flat(to_dict(cfg))
+    old = flatten(yaml.safe_load((ckpt / "config.yaml").read_text()))
+    new = flatten(to_dict(cfg))
     return sorted(k for k in old.keys() | new.keys()
                   if not k.startswith(("run.", "eval.")) and old.get(k) != new.get(k))
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v}
-    return out
 
 
 # ---- disk space ------------------------------------------------------------------------------------------

@@ -135,7 +135,6 @@ def train(cfg: Config) -> dict[str, float]:
 def _train_data_parallel(cfg: Config) -> dict[str, float]:
     """train.engine=fsdp, one process per rank (torchrun): rank 0 runs the loop above with a LeaderController,
     the other ranks follow its trainer calls (relayrl/trainer/leader.py)."""
-
     rank, _ = init_distributed("gloo" if resolve_device(cfg.run.device).type == "cpu" else None)  # run.device=cpu
     if rank:  # an error ends this process without the final barrier, which rank 0 may never reach (it may fail
         follow(build_follower(cfg))  # in the same command); torchrun then stops the other ranks

@@ -97,9 +97,14 @@ class InProcessRollouts:
     def release_memory(self) -> int:
         """Colocated sync RL: the engines here idle until the weight sync, so their KV cache and weights (not
         LoRA base weights: only adapters are synced) make room for training (engine.release_during_train)."""
+        return self._release(weights=not self.cfg.model.lora_rank)
+
+    def _release(self, weights: bool) -> int:
+        """Give back the engines' KV cache (and weights) where nothing generates until the next rollout: sync
+        runs with engine.release_during_train; an async producer keeps using them."""
         if self.asynchronous or not self.cfg.engine.release_during_train:
             return 0
-        freed = self.rollout_ctl.release_memory(weights=not self.cfg.model.lora_rank)
+        freed = self.rollout_ctl.release_memory(weights=weights)
         trim_memory()
         return freed
 
@@ -109,9 +114,7 @@ class InProcessRollouts:
         self.eval_data.reset()
         stats = self.env.produce_batch(self.eval_data, len(self.eval_data), agent=self.eval_agent)
         metrics = self.evaluator.evaluate(self.eval_data.get_batch())
-        if not self.asynchronous and self.cfg.engine.release_during_train:  # the KV cache is idle until the next
-            self.rollout_ctl.release_memory(weights=False)  # rollout: not held through a checkpoint or final save
-            trim_memory()
+        self._release(weights=False)  # the KV cache idles until the next rollout: not held through a checkpoint
         return metrics | {"eval/rejected": stats.get("judge/rejected", 0.0)}  # not in the eval means: visible here
 
     @contextlib.contextmanager

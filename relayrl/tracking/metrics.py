@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from relayrl.common.utils import close_all
 from relayrl.config import to_dict
 from relayrl.config.trackers import DEFAULT_TRACKERS
 from relayrl.tracking.trackers import active_trackers, make_trackers
@@ -71,11 +72,4 @@ class MetricsLogger:
 
     def close(self) -> None:
         """Close every tracker, each even if another fails (the first error is raised after)."""
-        errors = []
-        for tracker in self.trackers:
-            try:
-                tracker.close()
-            except Exception as e:  # noqa: PERF203 - one tracker failing must not leave the others open
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        close_all([tracker.close for tracker in self.trackers])

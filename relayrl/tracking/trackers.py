@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import yaml
 
 from relayrl.common.utils import append_jsonl
+from relayrl.config import flatten
 
 MLFLOW_EXPERIMENT = "relayrl"
 
@@ -178,15 +179,3 @@ class MlflowTracker:
 
     def close(self) -> None:
         self._client.set_terminated(self.run_id)
-
-
-def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"algo": {"clip_low": 0.2}} -> {"algo.clip_low": 0.2}; lists and empty dicts stay whole values."""
-    out: dict[str, Any] = {}
-    for k, v in config.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out |= flatten(v, key + ".")
-        else:
-            out[key] = v
-    return out

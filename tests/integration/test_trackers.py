@@ -17,11 +17,12 @@ from conftest import TESTS, write_sums
 
 from relayrl.cli import main
 from relayrl.common.utils import read_jsonl
+from relayrl.config import flatten
 from relayrl.config.schema import load_run_config
 from relayrl.config.trackers import PACKAGES
 from relayrl.tracking.metrics import MetricsLogger
 from relayrl.tracking.progress import Progress
-from relayrl.tracking.trackers import active_trackers, flatten, mlflow_key
+from relayrl.tracking.trackers import active_trackers, mlflow_key
 
 # what a run logs: eval at step 0, two training steps, an eval merged into the last step
 ROWS = [(0, {"eval/pass@1": 0.25, "eval/reward_mean": 0.5}),
