@@ -11,6 +11,7 @@ from relayrl.config.loader import (
     fill_missing,
     flatten,
     from_dict,
+    import_named,
     load_config,
     to_dict,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "fill_missing",
     "flatten",
     "from_dict",
+    "import_named",
     "load_config",
     "to_dict",
 ]

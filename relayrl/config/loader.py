@@ -28,7 +28,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
-from relayrl.common.utils import atomic_write_text
+from relayrl.common.utils import atomic_write_text, import_from_path
 
 T = TypeVar("T")
 PresetsHook = Callable[[dict[str, Any]], Mapping[str, Any]]
@@ -51,6 +51,18 @@ class ConfigError(ValueError):
         self.key = _join(prefix, self.key or "") or None
         self.source, self.message = self.source or source, self.message + note
         self.args = (str(self),)
+
+
+def import_named(path: str, key: str, *, function: bool = False) -> Any:
+    """The object a config key names by import path ('pkg.mod:name'), imported before any model loads: a typo,
+    or (function=True) something that is not callable, is a ConfigError naming the key."""
+    try:
+        obj = import_from_path(path)
+    except (ImportError, ValueError) as e:
+        raise ConfigError(str(e), key=key) from None
+    if function and not callable(obj):
+        raise ConfigError(f"{path!r} is a {type(obj).__name__}, not a function", key=key)
+    return obj
 
 
 def check(cond: bool, key: str, msg: str) -> None:

@@ -10,8 +10,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from relayrl.common.utils import InputError, import_from_path
-from relayrl.config.loader import ConfigError
+from relayrl.common.utils import InputError
+from relayrl.config.loader import ConfigError, import_named
 from relayrl.config.schema import DatasetConfig
 
 RowFn = Callable[[dict[str, Any]], "dict[str, Any] | None"]
@@ -21,12 +21,7 @@ def row_function(cfg: DatasetConfig, key: str) -> RowFn | None:
     """Import `<key>.map` and check it can take one row; a ConfigError names the key otherwise."""
     if cfg.map is None:
         return None
-    try:
-        fn = import_from_path(cfg.map)
-    except (ImportError, ValueError) as e:
-        raise ConfigError(str(e), key=f"{key}.map") from None
-    if not callable(fn):
-        raise ConfigError(f"{cfg.map!r} is a {type(fn).__name__}, not a function", key=f"{key}.map")
+    fn = import_named(cfg.map, f"{key}.map", function=True)
     try:
         inspect.signature(fn).bind({})
     except TypeError:

@@ -20,8 +20,8 @@ from relayrl.agents import AGENTS, Agent
 from relayrl.common.device import resolve_device
 from relayrl.common.hardware import resolve_dtype
 from relayrl.common.net import free_port
-from relayrl.common.utils import check_writable, import_from_path, tune_allocator
-from relayrl.config import ConfigError, dump_yaml
+from relayrl.common.utils import check_writable, tune_allocator
+from relayrl.config import ConfigError, dump_yaml, import_named
 from relayrl.config.schema import Config
 from relayrl.data import DataManager, PromptBuilder, load_rows
 from relayrl.engine.base import SamplingParams
@@ -57,15 +57,7 @@ def new_run_dir(cfg: Config) -> Path:
 
 
 def agent_class(kind: str) -> type[Agent]:
-    return AGENTS[kind] if kind in AGENTS else _user_code(kind, "agent.kind")
-
-
-def _user_code(path: str, key: str) -> object:
-    """The object a config key names by import path; a typo is a ConfigError naming the key."""
-    try:
-        return import_from_path(path)
-    except (ImportError, ValueError) as e:
-        raise ConfigError(str(e), key=key) from None
+    return AGENTS[kind] if kind in AGENTS else import_named(kind, "agent.kind")
 
 
 def check_user_code(cfg: Config) -> type[Agent]:
@@ -77,9 +69,7 @@ def check_user_code(cfg: Config) -> type[Agent]:
         group_filter(cfg.scheduler.group_filter)
     except (ImportError, ValueError) as e:
         raise ConfigError(str(e), key="scheduler.group_filter") from None
-    fn = _user_code(cfg.judge.reward_fn, "judge.reward_fn")
-    if not callable(fn):
-        raise ConfigError(f"{cfg.judge.reward_fn!r} is a {type(fn).__name__}, not a function", key="judge.reward_fn")
+    fn = import_named(cfg.judge.reward_fn, "judge.reward_fn", function=True)
     problem = reward_kwargs_problem(fn, cfg.judge.kwargs)
     if problem is not None:
         name, why = problem
