@@ -28,7 +28,7 @@ from datasets import (
 
 from relayrl.common.utils import InputError
 from relayrl.config.schema import DatasetConfig
-from relayrl.models.hub import cached_snapshot, looks_like_repo_id
+from relayrl.models.hub import cached_snapshot, hf_home, looks_like_repo_id
 
 BUILDERS = {".parquet": ("parquet", {}), ".csv": ("csv", {}), ".tsv": ("csv", {"delimiter": "\t"}),
             ".arrow": ("arrow", {})}
@@ -40,8 +40,7 @@ def datasets_cache_dir() -> Path:
     """Where `datasets` writes the arrow files it builds: HF_DATASETS_CACHE, else HF_HOME/datasets."""
     if os.environ.get("HF_DATASETS_CACHE"):
         return Path(os.environ["HF_DATASETS_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-    return Path(home).expanduser() / "datasets"
+    return hf_home() / "datasets"
 
 
 @contextlib.contextmanager

@@ -27,14 +27,19 @@ def looks_like_repo_id(name: str) -> bool:
     return bool(_REPO_ID.match(name)) and ".." not in name and not name.endswith(".git")
 
 
+def hf_home() -> Path:
+    """HF_HOME, else XDG_CACHE_HOME/huggingface, else ~/.cache/huggingface (huggingface_hub's precedence)."""
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser()
+
+
 def hub_cache_dir() -> Path:
     """The hub cache folder, with huggingface_hub's precedence: HF_HUB_CACHE, HF_HOME/hub, XDG cache."""
     if os.environ.get("HF_HUB_CACHE"):
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
     if os.environ.get("HUGGINGFACE_HUB_CACHE"):  # the older name, still honoured by huggingface_hub
         return Path(os.environ["HUGGINGFACE_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-    return Path(home).expanduser() / "hub"
+    return hf_home() / "hub"
 
 
 def repo_folder(repo_id: str, repo_type: RepoType) -> Path:
