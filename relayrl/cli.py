@@ -82,9 +82,9 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from relayrl.tracking.plot import plot_run
+    from relayrl.tracking.plot import PNG, plot_run
 
-    out = args.out or f"{args.run_dirs[0].rstrip('/')}/reward.png"
+    out = args.out or Path(args.run_dirs[0]) / PNG
     print(plot_run(args.run_dirs, out))
     return 0
 

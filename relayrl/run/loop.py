@@ -19,7 +19,7 @@ from relayrl.run.build import build, build_follower
 from relayrl.run.components import Components
 from relayrl.run.evaluator import rollout_metrics
 from relayrl.sample import Sample
-from relayrl.tracking.plot import plot_run
+from relayrl.tracking.plot import PNG, plot_run
 from relayrl.tracking.progress import Progress, start_block
 from relayrl.trainer.fsdp import init_distributed, shutdown_distributed
 from relayrl.trainer.leader import follow, lead, stop_followers
@@ -65,7 +65,7 @@ def _finish(c: Components, last_eval: dict[str, float]) -> dict[str, float]:
 
 def _summary(c: Components) -> None:
     """The run's last lines: held-out pass@1 from the first eval to the last, and the curves drawn to a PNG
-    (RUN_DIR/curves.png; `relayrl plot` draws several runs together). Drawing never fails the run."""
+    (RUN_DIR/reward.png, as `relayrl plot RUN_DIR` draws it). Drawing never fails the run."""
     if c.logger is None:
         return
     evals = [r for r in read_jsonl(c.run_dir / "metrics.jsonl") if "eval/pass@1" in r]
@@ -74,7 +74,7 @@ def _summary(c: Components) -> None:
         tqdm.write(f"held-out pass@1: {first['eval/pass@1']:.1%} at step {first['step']} -> "
                    f"{last['eval/pass@1']:.1%} at step {last['step']}")
     try:
-        tqdm.write(f"curves: {plot_run([c.run_dir], c.run_dir / 'curves.png')}")
+        tqdm.write(f"curves: {plot_run([c.run_dir], c.run_dir / PNG)}")
     except Exception as e:  # noqa: BLE001 - a plotting problem must not fail a finished run
         tqdm.write(f"curves not drawn: {e}")
 

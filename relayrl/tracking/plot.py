@@ -6,6 +6,8 @@ from pathlib import Path
 
 from relayrl.common.utils import read_jsonl
 
+PNG = "reward.png"  # a run's curves, in its folder: drawn at the end of the run and by `relayrl plot RUN_DIR`
+
 
 def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     pts = [(r["step"], r[key]) for r in rows if key in r]
