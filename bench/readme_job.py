@@ -92,7 +92,8 @@ def watch_tree(proc: subprocess.Popen, peaks: dict) -> None:
 def main() -> None:
     a = parse_args()
     load = _common.load_before_run()
-    env_note = AVX2_ENV if a.cpu == "avx2" else {}
+    allocator = ("RELAYRL_MALLOC_ARENAS", "MALLOC_ARENA_MAX", "RELAYRL_MMAP_THRESHOLD")  # tune_allocator reads them
+    env_note = (AVX2_ENV if a.cpu == "avx2" else {}) | {k: os.environ[k] for k in allocator if k in os.environ}
     os.environ.update(env_note)  # machine_info measures what this setting does
     res = {**_common.result_header(f"readme_job_{a.cpu}"), "load_before": load, "cpu_setting": a.cpu,
            "env": env_note, "config": a.config, "overrides": a.overrides}

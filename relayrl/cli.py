@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from relayrl import __version__
-from relayrl.common.utils import InputError, atomic_write_text
+from relayrl.common.utils import InputError, atomic_write_text, tune_allocator
 from relayrl.config import ConfigError, to_dict
 from relayrl.config.docs import describe
 from relayrl.config.schema import Config, load_run_config
@@ -224,6 +224,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    tune_allocator()  # before torch starts threads: they must share one malloc arena
     args = parser().parse_args(argv)
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # user code named by import path in configs lives in the project folder

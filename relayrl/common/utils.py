@@ -133,7 +133,7 @@ def release_openmp_threads() -> None:
 
 
 # ---- glibc malloc --------------------------------------------------------------------------------------------
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 
 
 @functools.cache
@@ -146,23 +146,31 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 @functools.cache
-def tune_allocator() -> bool:
-    """Opt-in (RELAYRL_MMAP_THRESHOLD=BYTES): give every glibc allocation of at least BYTES its own mapping.
+def tune_allocator() -> None:
+    """Set glibc malloc for a training process; call before any thread allocates (a no-op off glibc).
 
-    glibc serves an allocation from its heaps unless it is larger than the mmap threshold, which rises (up to
-    32 MB) each time a mapped block is freed; a training step's activations (10-30 MB each) then land in heaps
-    that keep their freed holes. A fixed threshold returns them at once and lowers the step's peak (3.72 ->
-    3.51 GB on the README job's step at 4 MB), but every such allocation then pays fresh page faults: +44% train
-    step time measured on the same step. So it is off unless asked; `trim_memory` between phases gives the held
-    memory back at no measured cost. Returns whether it applied.
+    One arena (RELAYRL_MALLOC_ARENAS, default 1; 0 keeps glibc's default, 8 per core): glibc gives each thread
+    that allocates under contention its own heap, and one heap's freed pages are no use to another, so the
+    engine's worker thread and the trainer's thread each kept their own high-water mark. Measured on the
+    README job at two threads: peak 5.3 GB with glibc's arenas, 3.0 GB with one (see docs/benchmarks.md for
+    the side-by-side run and its time). A MALLOC_ARENA_MAX the user exported wins.
+
+    Opt-in (RELAYRL_MMAP_THRESHOLD=BYTES): give every allocation of at least BYTES its own mapping. glibc's
+    threshold rises (up to 32 MB) each time a mapped block is freed, so a step's activations (10-30 MB each)
+    land in heaps that keep their freed holes; a fixed threshold returns them at once (3.72 -> 3.51 GB on the
+    README job's step at 4 MB) but every such block then pays fresh page faults (+44% train step time), so it
+    is off unless asked; `trim_memory` between phases gives the held memory back at no measured cost.
     """
-    threshold = int(os.environ.get("RELAYRL_MMAP_THRESHOLD", "0"))
     libc = _glibc()
-    if libc is None or threshold <= 0:
-        return False
-    libc.mallopt(_M_MMAP_THRESHOLD, threshold)
-    libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold)
-    return True
+    if libc is None:
+        return
+    arenas = int(os.environ.get("RELAYRL_MALLOC_ARENAS", "1"))
+    if arenas > 0 and "MALLOC_ARENA_MAX" not in os.environ:
+        libc.mallopt(_M_ARENA_MAX, arenas)
+    threshold = int(os.environ.get("RELAYRL_MMAP_THRESHOLD", "0"))
+    if threshold > 0:
+        libc.mallopt(_M_MMAP_THRESHOLD, threshold)
+        libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold)
 
 
 def trim_memory() -> None:

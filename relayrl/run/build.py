@@ -114,8 +114,8 @@ def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) 
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    tune_allocator()  # before any thread allocates or any model loads
     cfg = resolve_precision(cfg, quiet=role == "producer")
-    tune_allocator()  # before any model is loaded
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     if cfg.run.threads:
@@ -216,8 +216,8 @@ def _build_trainer(cfg: Config) -> Components:
 
 def build_follower(cfg: Config) -> TrainController:
     """A rank > 0 of train.engine=fsdp: only its shard of the trainer (see relayrl.trainer.leader)."""
-    cfg = resolve_precision(cfg, quiet=True)
     tune_allocator()
+    cfg = resolve_precision(cfg, quiet=True)
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     model_path = resolve_model_path(cfg.model.path)
