@@ -347,6 +347,9 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     grad_clip: float = 1.0  # clip the global gradient norm to this (<= 0: measure only)
+    # AdamW moments: float32 (fused kernel), or bfloat16 (12 instead of 16 bytes/param; second moment rounded
+    # stochastically; the local engine only)
+    optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"
     micro_batch_tokens: int = 4096  # padded tokens per forward/backward
     share_prompt: bool = True  # a GRPO group's samples share one copy of their prompt in a row
     row_tokens: int = 1024  # longest shared row (attention cost grows with its square)
@@ -373,6 +376,8 @@ class TrainConfig:
         check(self.lr_schedule == "constant" or self.total_steps is not None, "total_steps",
               f"lr_schedule={self.lr_schedule} needs total_steps (the loader fills it from run.steps)")
         check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        check(self.optimizer_state_dtype == "float32" or self.engine == "local", "optimizer_state_dtype",
+              "bfloat16 moments need train.engine=local (FSDP2 shards its own fp32 AdamW)")
         check(self.micro_batch_tokens >= 1, "micro_batch_tokens", "must be >= 1")
         check(self.epochs >= 1, "epochs", "must be >= 1")
         check(self.minibatches >= 1, "minibatches", "must be >= 1")

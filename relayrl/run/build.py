@@ -368,6 +368,8 @@ def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainControl
     engine_kw = dict(temperature=cfg.sampling.temperature, autocast_bf16=cfg.model.autocast_bf16)
     optim_kw = dict(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                     gradient_checkpointing=cfg.model.gradient_checkpointing)
+    if t.engine != "fsdp":
+        optim_kw["optimizer_state_dtype"] = t.optimizer_state_dtype  # the schema refuses bfloat16 with fsdp
     if t.engine == "fsdp":  # this process's shard; the process group is up (relayrl.run.loop.train)
         train_engine = FSDPEngine.from_pretrained(model_path, dtype=cfg.model.train_dtype,
                                                   mixed_precision=t.fsdp_mixed_precision, **optim_kw, **engine_kw)

@@ -25,6 +25,7 @@ from relayrl.trainer.algo import reduce_stats
 from relayrl.trainer.logprobs import token_logprobs
 from relayrl.trainer.lora import adapter_tensors, is_lora
 from relayrl.trainer.lora import wrap as wrap_lora
+from relayrl.trainer.optim import adamw
 from relayrl.trainer.packer import MicroBatch
 
 LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict[str, float]]]
@@ -33,7 +34,8 @@ LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor | None], tuple[torch.T
 class TrainEngine:
     def __init__(self, model: torch.nn.Module, *, lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
                  weight_decay: float = 0.0, grad_clip: float = 1.0, temperature: float = 1.0,
-                 autocast_bf16: bool = False, gradient_checkpointing: bool = False):
+                 autocast_bf16: bool = False, gradient_checkpointing: bool = False,
+                 optimizer_state_dtype: str = "float32"):
         self.model = model
         self.device = model_device(model)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -46,9 +48,9 @@ class TrainEngine:
         self.temperature = temperature if temperature > 0 else 1.0
         self.grad_clip = grad_clip
         self.autocast_bf16 = autocast_bf16
-        # fused AdamW: one kernel per step instead of ~10 passes over every parameter (CPU and CUDA)
-        self.optimizer = (torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
-                          if params else None)
+        # fused AdamW (one kernel per step, CPU and CUDA), or bf16 moments (relayrl.trainer.optim)
+        self.optimizer = (adamw(params, state_dtype=optimizer_state_dtype, lr=lr, betas=betas,
+                                weight_decay=weight_decay) if params else None)
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str = "float32", lora=None, device: str | torch.device | None = None,

@@ -65,7 +65,11 @@ PPO = {"algo.preset": "ppo", "algo.kl_coef": 0.01, "train.lr_schedule": "cosine"
 LORA = {"model.lora_rank": 4, "algo.kl_coef": 0.01}
 
 
-@pytest.mark.parametrize("algo", [{}, PPO, LORA], ids=["grpo", "ppo", "lora"])
+# bf16 AdamW moments: saved and restored as bf16, the stochastic rounding replays (relayrl.trainer.optim)
+BF16_MOMENTS = {"train.optimizer_state_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("algo", [{}, PPO, LORA, BF16_MOMENTS], ids=["grpo", "ppo", "lora", "bf16_moments"])
 def test_resume_gives_the_same_batches_and_weights(tiny_path, data, tmp_path, algo):
     """4 steps straight vs 2 steps, then a new build resuming for 2 more (first checkpoint rotated away)."""
     straight = run(tiny_path, data, tmp_path, "straight", **algo)
@@ -83,6 +87,9 @@ def test_resume_gives_the_same_batches_and_weights(tiny_path, data, tmp_path, al
     if algo is PPO:
         models.append((straight.train_ctl.critic.model, resumed.train_ctl.critic.model))
         assert resumed.train_ctl.schedule.step_count == 4
+    if algo is BF16_MOMENTS:
+        states = resumed.train_ctl.engine.optimizer.state.values()
+        assert {s["exp_avg_sq"].dtype for s in states} == {torch.bfloat16}
     for a_model, b_model in models:
         for (n, p), (_, q) in zip(a_model.named_parameters(), b_model.named_parameters()):
             assert torch.allclose(p, q, atol=1e-6), n

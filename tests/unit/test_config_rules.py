@@ -77,6 +77,13 @@ def test_range_errors_by_hand(override, message):
         load_run_config(None, [*BASE, override])
 
 
+def test_bf16_optimizer_moments_are_refused_with_fsdp():
+    with pytest.raises(ConfigError, match="^train.optimizer_state_dtype: bfloat16 moments need train.engine=local"):
+        load_run_config(None, [*BASE, "train.engine=fsdp", "train.optimizer_state_dtype=bfloat16"])
+    with pytest.raises(ConfigError, match="^train.optimizer_state_dtype: "):
+        load_run_config(None, [*BASE, "train.optimizer_state_dtype=float16"])
+
+
 def test_async_defaults_to_decoupled_ppo_and_refuses_plain_ppo_off_policy():
     assert load_run_config(None, [*BASE, "scheduler.mode=async"]).algo.decoupled is True
     assert load_run_config(None, [*BASE, "scheduler.mode=async", "scheduler.max_staleness=0"]).algo.decoupled is False
