@@ -7,6 +7,7 @@ import functools
 import importlib
 import json
 import os
+import resource
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,17 @@ def tune_allocator() -> None:
     if threshold > 0:
         libc.mallopt(_M_MMAP_THRESHOLD, threshold)
         libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold)
+
+
+def memory_gb() -> dict[str, float]:
+    """This process's resident memory now and its high-water mark so far, in GB (Linux; {} elsewhere): logged
+    every step, so a run shows where its peak came and how far above the 16 bytes/param floor it sits."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return {}
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux
+    return {"mem/rss_gb": pages * os.sysconf("SC_PAGE_SIZE") / 1e9, "mem/peak_rss_gb": peak_kb * 1024 / 1e9}
 
 
 def trim_memory() -> None:

@@ -12,7 +12,7 @@ import time
 from tqdm import tqdm
 
 from relayrl.common.device import resolve_device
-from relayrl.common.utils import read_jsonl, trim_memory
+from relayrl.common.utils import memory_gb, read_jsonl, trim_memory
 from relayrl.config.schema import Config
 from relayrl.run import checkpoint
 from relayrl.run.build import build, build_follower
@@ -171,7 +171,7 @@ def _perf(c: Components, m: dict[str, float], step_s: float) -> dict[str, float]
     return {"time/step_s": step_s,
             "perf/rollout_tokens_per_s": m.get("rollout/generated_tokens", 0.0) / max(1e-9, m["time/rollout_s"]),
             "perf/samples_per_s": m.get("rollout/samples", 0.0) / step_s,
-            "version": float(c.train_ctl.version)}
+            "version": float(c.train_ctl.version), **memory_gb()}
 
 
 def _evaluate(c: Components, step: int) -> dict[str, float]:

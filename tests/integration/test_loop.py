@@ -1,5 +1,6 @@
 """End to end on the real tiny model: the CLI and the colocated loop, with real judge processes."""
 
+import json
 import subprocess
 import sys
 import time
@@ -84,7 +85,9 @@ def test_cli_train_runs_and_writes_a_run(tiny_path, dataset, tmp_path):
                                                                            "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "final eval" in proc.stdout and "step" in proc.stdout
-    assert (tmp_path / "t" / "metrics.jsonl").is_file()
+    rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in rows if "train/loss" in r)  # memory per step: now and the process's high-water mark
+    assert 0.05 < step["mem/rss_gb"] <= step["mem/peak_rss_gb"] < 20
     # the last lines: held-out pass@1 at the first and the last eval, and where the curves are
     assert "held-out pass@1: " in proc.stdout and "at step 0 -> " in proc.stdout and "at step 1" in proc.stdout
     curves = tmp_path / "t" / "reward.png"
