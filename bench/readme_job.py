@@ -77,7 +77,9 @@ def run(a, tmp: str) -> dict:
             "step_s_median": sorted(r["time/step_s"] for r in steps)[len(steps) // 2],
             "rollout_s_median": sorted(r["time/rollout_s"] for r in steps)[len(steps) // 2],
             "train_s_median": sorted(r["time/train_s"] for r in steps)[len(steps) // 2],
-            "eval": [{"step": r["step"], "pass@1": r["eval/pass@1"]} for r in evals]}
+            "eval": [{"step": r["step"], "pass@1": r["eval/pass@1"]} for r in evals],
+            # the trainer's high-water mark after each step: where in the run the peak came
+            "peak_rss_gb_by_step": [round(r["mem/peak_rss_gb"], 3) for r in steps if "mem/peak_rss_gb" in r]}
 
 
 def watch_tree(proc: subprocess.Popen, peaks: dict) -> None:
