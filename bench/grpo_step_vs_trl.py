@@ -81,9 +81,12 @@ def run_relayrl(a, tmp: str) -> dict:
     from relayrl.run.evaluator import rollout_metrics
 
     d = dataset_cfg(a)
-    # precision as the example chooses it (engine.dtype auto: bf16 only where native; the trainer follows);
-    # gradient checkpointing off on both sides (TRL's setting below), default 4096-token micro-batches
+    # precision and training memory settings as the README job (examples/arithmetic_grpo.yaml) ships them:
+    # engine.dtype auto, gradient checkpointing, 1024-token micro-batches, bf16 AdamW moments; measured faster
+    # here than relayrl's library defaults (no checkpointing, 4096-token micro-batches: ~10 GB, 30-36 s steps)
     overrides = [f"model.path={a.model}", "engine.dtype=auto", "model.autocast_bf16=auto",
+                 "model.gradient_checkpointing=true", "train.micro_batch_tokens=1024",
+                 "train.optimizer_state_dtype=bfloat16",
                  f"sampling.max_new_tokens={a.max_new_tokens}", f"sampling.temperature={a.temperature}",
                  f"data.train.source={d.source}", f"data.train.size={d.size}", f"data.train.seed={d.seed}",
                  f"data.train.kwargs={json.dumps(d.kwargs)}", f"data.batch_size={a.prompts}",
@@ -115,7 +118,9 @@ def run_relayrl(a, tmp: str) -> dict:
     cfg = c.cfg
     return {"steps": steps, "settings": {"train_dtype": cfg.model.train_dtype, "bf16_autocast": cfg.model.autocast_bf16,
                                          "engine_dtype": cfg.engine.dtype, "loss_agg": cfg.algo.loss_agg,
-                                         "micro_batch_tokens": cfg.train.micro_batch_tokens}}
+                                         "micro_batch_tokens": cfg.train.micro_batch_tokens,
+                                         "gradient_checkpointing": cfg.model.gradient_checkpointing,
+                                         "optimizer_state_dtype": cfg.train.optimizer_state_dtype}}
 
 
 # ---- TRL side ----------------------------------------------------------------------------------------------
