@@ -377,7 +377,8 @@ class TrainConfig:
               f"lr_schedule={self.lr_schedule} needs total_steps (the loader fills it from run.steps)")
         check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
         check(self.optimizer_state_dtype == "float32" or self.engine == "local", "optimizer_state_dtype",
-              "bfloat16 moments need train.engine=local (FSDP2 shards its own fp32 AdamW)")
+              "bfloat16 moments need train.engine=local (FSDP2 shards its own fp32 AdamW): "
+              "add train.optimizer_state_dtype=float32")
         check(self.micro_batch_tokens >= 1, "micro_batch_tokens", "must be >= 1")
         check(self.epochs >= 1, "epochs", "must be >= 1")
         check(self.minibatches >= 1, "minibatches", "must be >= 1")

@@ -208,7 +208,7 @@ def test_separate_placement_relays_adapters(tiny_path, tmp_path, transport):
     (["model.lora_rank=-1"], "model.lora_rank: must be >= 0"),
     (["model.lora_dropout=1.0"], "model.lora_dropout: must be in [0, 1)"),
     (["model.lora_rank=8", "model.lora_target_modules=[]"], "model.lora_target_modules: must name"),
-    (["model.lora_rank=8", "train.engine=fsdp"], "train.engine: LoRA"),
+    (["model.lora_rank=8", "train.engine=fsdp", "train.optimizer_state_dtype=float32"], "train.engine: LoRA"),
     (["model.lora_rank=8", "engine.kind=remote", "engine.launch=relayrl"], "engine.kind: LoRA"),
 ])
 def test_config_errors_name_their_keys(bad, message, capsys):
