@@ -347,8 +347,8 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     grad_clip: float = 1.0  # clip the global gradient norm to this (<= 0: measure only)
-    # AdamW moments: float32 (fused kernel), or bfloat16 (12 instead of 16 bytes/param; second moment rounded
-    # stochastically; the local engine only)
+    # the policy's AdamW moments: float32 (fused kernel), or bfloat16 (12 instead of 16 bytes/param; second
+    # moment rounded stochastically; the local engine only; a PPO critic keeps fp32)
     optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"
     micro_batch_tokens: int = 4096  # padded tokens per forward/backward
     share_prompt: bool = True  # a GRPO group's samples share one copy of their prompt in a row

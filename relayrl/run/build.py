@@ -368,14 +368,14 @@ def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainControl
     engine_kw = dict(temperature=cfg.sampling.temperature, autocast_bf16=cfg.model.autocast_bf16)
     optim_kw = dict(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                     gradient_checkpointing=cfg.model.gradient_checkpointing)
-    if t.engine != "fsdp":
-        optim_kw["optimizer_state_dtype"] = t.optimizer_state_dtype  # the schema refuses bfloat16 with fsdp
     if t.engine == "fsdp":  # this process's shard; the process group is up (relayrl.run.loop.train)
         train_engine = FSDPEngine.from_pretrained(model_path, dtype=cfg.model.train_dtype,
                                                   mixed_precision=t.fsdp_mixed_precision, **optim_kw, **engine_kw)
     else:
         train_engine = TrainEngine.from_pretrained(model_path, dtype=cfg.model.train_dtype, lora=cfg.model,
-                                                   device=resolve_device(cfg.run.device), **optim_kw, **engine_kw)
+                                                   device=resolve_device(cfg.run.device),
+                                                   optimizer_state_dtype=t.optimizer_state_dtype, **optim_kw,
+                                                   **engine_kw)
     ref_engine = None
     if cfg.algo.kl_coef > 0 and cfg.model.lora_rank:  # the policy with its adapters off: no second copy
         ref_engine = BaseReference(train_engine)

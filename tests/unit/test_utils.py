@@ -1,5 +1,9 @@
 """relayrl.common.utils helpers that the rest of the package leans on."""
 
+import os
+import subprocess
+import sys
+
 from relayrl.common.utils import close_all
 
 
@@ -39,10 +43,6 @@ libc.malloc_stats()  # one 'Arena N:' block per arena, on stderr
 
 
 def _arenas(env: dict) -> int:
-    import os
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"} | env
     err = subprocess.run([sys.executable, "-c", ARENA_PROBE], env=env, capture_output=True, text=True,
                          check=True).stderr
