@@ -10,6 +10,12 @@ and the turn-level discount gamma is applied in one of two ways:
 - "final": the sample's reward is r_T * gamma^(T - 1) for the last turn T (AReaL's reflection workflow);
 - "per_turn": every turn gets its discounted reward-to-go R_t = r_t + gamma * R_(t+1) (seed 001's backward
   sum), stored in `Turn.reward`; the trainer then gives each turn's tokens that turn's advantage.
+
+Feedback may name the answer it rejects: a `{answer}` in the feedback text becomes the answer the turn committed
+to (its last \\boxed{}, else its last number; "nothing" when there is none). A small model told only "wrong"
+mostly repeats itself; told "your answer 12 is wrong" it has something to move away from. Each sample records
+`retries` and `repeats` (retries whose answer equals an earlier turn's), so evaluation can report how often a
+retry just repeats itself.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ from __future__ import annotations
 from relayrl.agents.base import Agent
 from relayrl.agents.chat import continuation_ids, end_of_turn_id
 from relayrl.judge import REJECTED_PREFIX
+from relayrl.judge.math import final_answer
 from relayrl.sample import Sample, Status
 
 DEFAULT_FEEDBACK = "Your answer is either wrong or could not be parsed. Please reflect on it and try again."
+ANSWER_FIELD = "{answer}"  # replaced in the feedback text; every other brace is literal (\\boxed{})
 
 
 def shaped(success: float, shaping: bool, scaling: float, bias: float) -> float:
@@ -50,31 +58,49 @@ class ReflectionAgent(Agent):
         self.shaping, self.reward_scaling, self.reward_bias = shaping, reward_scaling, reward_bias
         self.max_total_tokens = max_total_tokens
         self.eot = end_of_turn_id(tokenizer)
+        self.feedback = feedback
+        self.feedback_varies = ANSWER_FIELD in feedback
         self.feedback_ids = continuation_ids(tokenizer, [{"role": "user", "content": feedback}])
 
     async def generate_sample(self, sample: Sample) -> Sample:
         successes: list[float] = []
+        answers: list[str | None] = []
         for turn in range(self.max_turns):
             out = await self.rollout_ctl.generate(sample.input_ids, self.params_for(sample, turn), rid=sample.uid)
             sample.append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason)
-            _, metrics, error = await self.judge.score(self.decode(out.output_ids), sample.data, sample.uid)
+            text = self.decode(out.output_ids)
+            answers.append(final_answer(text))
+            _, metrics, error = await self.judge.score(text, sample.data, sample.uid)
             sample.error = error or sample.error
             sample.metrics.update({k: v for k, v in metrics.items() if k.startswith(REJECTED_PREFIX)})
             successes.append(float(metrics.get("correct", metrics["reward"] > 0)))
-            if successes[-1] or turn + 1 == self.max_turns or self._out_of_room(sample):
+            if successes[-1] or turn + 1 == self.max_turns:
+                break
+            feedback = self.feedback_for(answers[-1])
+            if self._out_of_room(sample, len(feedback)):
                 break
             if out.output_ids[-1] != self.eot:  # cut at the token limit: close the turn as the template would
                 sample.append_context([self.eot])
-            sample.append_context(self.feedback_ids)
+            sample.append_context(feedback)
         self._set_rewards(sample, successes)
+        retries = answers[1:]
+        sample.metrics.update(retries=float(len(retries)),
+                              repeats=float(sum(a is not None and a in answers[:i + 1] for i, a in enumerate(retries))))
         sample.response_text = self.decode(sample.response_ids)
         sample.status = Status.COMPLETED
         return sample
 
-    def _out_of_room(self, sample: Sample) -> bool:
+    def feedback_for(self, answer: str | None) -> list[int]:
+        """Feedback token ids after a wrong turn (the fixed ids unless the text names the answer)."""
+        if not self.feedback_varies:
+            return self.feedback_ids
+        text = self.feedback.replace(ANSWER_FIELD, answer if answer is not None else "nothing")
+        return continuation_ids(self.tokenizer, [{"role": "user", "content": text}])
+
+    def _out_of_room(self, sample: Sample, feedback_len: int) -> bool:
         if self.max_total_tokens is None:
             return False
-        room = len(self.feedback_ids) + 1 + self.sampling.max_new_tokens
+        room = feedback_len + 1 + self.sampling.max_new_tokens
         return len(sample.input_ids) + room > self.max_total_tokens
 
     def _set_rewards(self, sample: Sample, successes: list[float]) -> None:

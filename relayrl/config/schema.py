@@ -296,6 +296,9 @@ class AlgoConfig:
     adv_mean: Literal["group", "batch", "group_batch", "none"] = "group"
     adv_std: Literal["group", "batch", "none"] = "group"  # divide advantages by the std of the group/batch
     adv_leave_one_out: bool = False  # RLOO: baseline = mean of the group's other samples
+    # per-turn rewards (multi-turn agents): turn k's return is compared with the group's other k-th turns
+    # ("turn"), or with every turn of the group ("pooled", which credits a failed last retry for beating turn 1)
+    turn_baseline: Literal["turn", "pooled"] = "turn"
     gamma: float = 1.0  # GAE discount over response tokens
     lam: float = 0.95  # GAE lambda
     # reward shaping, in this order: + overlong penalty, * reward_scale, + reward_bias, clip to +-reward_clip

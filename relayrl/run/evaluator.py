@@ -96,7 +96,23 @@ class Evaluator:
                 pass_at_k(len(g), int(sum(_correct(s) for s in g)), k) for g in groups)
             out[f"{prefix}/maj@{k}"] = statistics.fmean(majority_correct(g[:k], self.answer_fn) for g in groups)
             k *= 2
-        solved = [int(s.metrics["solved_turn"]) for s in batch if "solved_turn" in s.metrics]
-        for turn in range(1, max(solved, default=0) + 1):
-            out[f"{prefix}/solved_at_turn_{turn}"] = solved.count(turn) / len(solved)
+        out.update(turn_metrics(batch, prefix))
         return out
+
+
+def turn_metrics(batch: list[Sample], prefix: str) -> dict[str, float]:
+    """Multi-turn agents: the share solved at turn k, the share of those that reached turn k >= 2 solved there
+    (recovery: the rate that says whether feedback helps, whatever turn 1's accuracy), and the share of retries
+    that only repeated an earlier answer (agents that report `retries` and `repeats`)."""
+    out: dict[str, float] = {}
+    solved = [int(s.metrics["solved_turn"]) for s in batch if "solved_turn" in s.metrics]
+    turns = [int(s.metrics.get("turns", 1)) for s in batch if "solved_turn" in s.metrics]
+    for turn in range(1, max(solved, default=0) + 1):
+        out[f"{prefix}/solved_at_turn_{turn}"] = solved.count(turn) / len(solved)
+    for turn in range(2, max(turns, default=0) + 1):
+        reached = sum(t >= turn for t in turns)
+        out[f"{prefix}/recovered_at_turn_{turn}"] = solved.count(turn) / reached
+    retries = sum(float(s.metrics.get("retries", 0.0)) for s in batch)
+    if retries:
+        out[f"{prefix}/retry_repeat_rate"] = sum(float(s.metrics.get("repeats", 0.0)) for s in batch) / retries
+    return out

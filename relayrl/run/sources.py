@@ -115,7 +115,8 @@ class InProcessRollouts:
         stats = self.env.produce_batch(self.eval_data, len(self.eval_data), agent=self.eval_agent)
         metrics = self.evaluator.evaluate(self.eval_data.get_batch())
         self._release(weights=False)  # the KV cache idles until the next rollout: not held through a checkpoint
-        return metrics | {"eval/rejected": stats.get("judge/rejected", 0.0)}  # not in the eval means: visible here
+        # failed (raised or timed out: agent.timeout) and rejected samples are not in the eval means: counted here
+        return metrics | {"eval/rejected": stats.get("judge/rejected", 0.0), "eval/failed": stats["rollout/failed"]}
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -224,7 +224,12 @@ class TrainController:
 
     def _outcome(self, batch: TrainBatch, turn_key: str) -> list[dict[int | None, float]]:
         """Per sample: its shaped reward after the group baseline/scale (key None), or each turn's (key = turn
-        index) when every turn has a `turn_key` value ("reward": the turn return, "step_reward": its own)."""
+        index) when every turn has a `turn_key` value ("reward": the turn return, "step_reward": its own).
+
+        Turn entries are baselined against the same turn of the group's other samples (algo.turn_baseline=turn):
+        the k-th attempt's state is "k-1 attempts failed", so only other k-th attempts estimate its value. Pooled
+        with turn 1's returns (which carry the later failures' penalties), a failed last retry would score above
+        the mean and be reinforced."""
         a = self.algo
         entries = []  # (sample index, turn index or None, reward, generated tokens)
         for i, s in enumerate(batch.samples):
@@ -237,7 +242,10 @@ class TrainController:
                                    a.overlong_buffer, a.overlong_penalty)
         rewards = shape_rewards(torch.tensor([e[2] for e in entries]) + penalty, scale=a.reward_scale,
                                 bias=a.reward_bias, clip=a.reward_clip)
-        adv = compute_advantages(rewards, [batch.samples[e[0]].group_id for e in entries],
+        by_turn = a.turn_baseline == "turn"
+        groups = [f"{batch.samples[i].group_id}\x00{j}" if by_turn and j is not None else batch.samples[i].group_id
+                  for i, j, _, _ in entries]
+        adv = compute_advantages(rewards, groups,
                                  mean="group" if a.adv_mean in ("group", "group_batch") else "none",
                                  std="group" if a.adv_std == "group" else "none", leave_one_out=a.adv_leave_one_out)
         if a.overlong_buffer:

@@ -63,7 +63,7 @@ def test_two_training_steps_on_tiny_model(tiny_path, dataset, tmp_path):
 def test_failing_and_hanging_agents_cost_one_sample_each(tiny_path, dataset, tmp_path):
     cfg = load_run_config(None, overrides(tiny_path, dataset, tmp_path, **{
         "agent.kind": "agents_for_tests:FlakyAgent", "agent.timeout": 1.0, "run.steps": 1, "eval.at_start": False,
-        "eval.at_end": False}))
+        "eval.n": 3}))
     c = build(cfg)
     try:
         t0 = time.perf_counter()
@@ -71,9 +71,10 @@ def test_failing_and_hanging_agents_cost_one_sample_each(tiny_path, dataset, tmp
         assert time.perf_counter() - t0 < 30
     finally:
         c.close()
-    row = read_jsonl(c.run_dir / "metrics.jsonl")[0]
+    row, final = read_jsonl(c.run_dir / "metrics.jsonl")[0], read_jsonl(c.run_dir / "metrics.jsonl")[-1]
     assert row["rollout/failed"] == 4  # 2 groups x (one raising + one hanging sample)
     assert row["rollout/samples"] == 4 and row["train/samples"] == 4
+    assert final["eval/failed"] == 6 and final["eval/samples"] == 3  # eval: 3 prompts x 3, two of each fail
 
 
 def test_cli_train_runs_and_writes_a_run(tiny_path, dataset, tmp_path):

@@ -13,7 +13,9 @@ from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.engine.rollout import RolloutController
 from relayrl.judge import Judge
+from relayrl.judge.math import final_answer
 from relayrl.models import eos_token_ids, load_model, load_tokenizer
+from relayrl.run.evaluator import Evaluator
 from relayrl.sample import NO_VERSION, Sample
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
@@ -123,10 +125,9 @@ def test_rewards_of_each_mode(parts, mode):
     assert s.metrics["solved_turn"] == 2 and s.metrics["correct"] == 1.0
 
 
-def test_per_turn_returns_give_per_turn_advantages(parts):
-    tok, model, engine, _ = parts
+def _turn_samples(returns: list[list[float]]) -> list[Sample]:
     samples = []
-    for i, rets in enumerate([[0.0, 1.0], [1.0], [-1.0, -1.0]]):
+    for i, rets in enumerate(returns):
         s = Sample(prompt_ids=[1, 5, 6], group_id="g", index=i)
         for j, r in enumerate(rets):
             if j:
@@ -134,11 +135,77 @@ def test_per_turn_returns_give_per_turn_advantages(parts):
             s.append_generated([10 + j, 11 + j], [0.0, 0.0], [0, 0], "stop")
             s.turns[-1].reward = r
         samples.append(s)
-    ctl = TrainController(TrainEngine(copy.deepcopy(model)), AlgoConfig(adv_std="none"), TrainConfig(), pad_id=0,
-                          max_new_tokens=8)
+    return samples
+
+
+@pytest.mark.parametrize("baseline", ["turn", "pooled"])
+def test_per_turn_returns_give_per_turn_advantages(parts, baseline):
+    tok, model, engine, _ = parts
+    samples = _turn_samples([[0.0, 1.0], [1.0], [-1.0, -1.0]])
+    ctl = TrainController(TrainEngine(copy.deepcopy(model)), AlgoConfig(adv_std="none", turn_baseline=baseline),
+                          TrainConfig(), pad_id=0, max_new_tokens=8)
     batch = ctl.compute_advantages(Packer(4096, 0).pack(samples))
-    mean = (0 + 1 + 1 - 1 - 1) / 5  # the group's five turn returns
-    assert batch.per_token["advantages"][0].tolist() == pytest.approx([0 - mean] * 2 + [1 - mean] * 2)
-    assert batch.per_token["advantages"][1].tolist() == pytest.approx([1 - mean] * 2)
-    assert batch.per_token["advantages"][2].tolist() == pytest.approx([-1 - mean] * 4)
+    adv = [a.tolist() for a in batch.per_token["advantages"]]
+    if baseline == "pooled":  # one baseline: the mean of the group's five turn returns
+        m1 = m2 = (0 + 1 + 1 - 1 - 1) / 5
+    else:  # first turns against first turns (0, 1, -1), second turns against second turns (1, -1)
+        m1, m2 = (0 + 1 - 1) / 3, (1 - 1) / 2
+    assert adv[0] == pytest.approx([0 - m1] * 2 + [1 - m2] * 2)
+    assert adv[1] == pytest.approx([1 - m1] * 2)
+    assert adv[2] == pytest.approx([-1 - m1] * 2 + [-1 - m2] * 2)
     assert torch.cat(batch.per_token["behav_logp"]).numel() == 10
+
+
+def test_a_failed_last_retry_is_not_reinforced(parts):
+    """Reflection returns (gamma 0.9, shaped -1/+1): two samples solved at turn 2, six that failed all three turns.
+    Pooled, the six failed third turns (-1) sit above the group mean and get a positive advantage; per turn they
+    are compared with each other only (advantage 0), and the turn-2 recoveries beat the turn-2 failures."""
+    _, model, _, _ = parts
+    solved, failed = turn_returns([-1.0, 1.0], 0.9), turn_returns([-1.0, -1.0, -1.0], 0.9)
+    samples = _turn_samples([solved] * 2 + [failed] * 6)
+
+    def advantages(baseline):
+        ctl = TrainController(TrainEngine(copy.deepcopy(model)), AlgoConfig(turn_baseline=baseline), TrainConfig(),
+                              pad_id=0, max_new_tokens=8)
+        return [a.tolist() for a in ctl.compute_advantages(Packer(4096, 0).pack(samples)).per_token["advantages"]]
+
+    pooled, per_turn = advantages("pooled"), advantages("turn")
+    assert pooled[2][-1] > 0  # the failure the pooled baseline rewards
+    assert per_turn[2][-1] == pytest.approx(0.0)
+    assert per_turn[0][-1] > 0 > per_turn[2][2]  # recovered turn 2 above failed turn 2
+
+
+def test_feedback_names_the_rejected_answer(parts):
+    tok, _, engine, judge = parts
+    agent = ReflectionAgent(RolloutController([engine]), tok, SamplingParams(max_new_tokens=6), judge, max_turns=3,
+                            feedback="Your answer {answer} is wrong.")
+    assert tok.decode(agent.feedback_for("12")).count("Your answer 12 is wrong.") == 1
+    assert "Your answer nothing is wrong." in tok.decode(agent.feedback_for(None))
+    fixed = ReflectionAgent(RolloutController([engine]), tok, SamplingParams(max_new_tokens=6), judge,
+                            feedback="Wrong: put it in \\boxed{} {please}.")  # other braces stay literal
+    assert fixed.feedback_for("12") is fixed.feedback_ids
+    assert "Wrong: put it in \\boxed{} {please}." in tok.decode(fixed.feedback_ids)
+
+
+def test_retries_and_repeats_are_counted_turn_by_turn(parts):
+    """The tiny model's answers (its last number) decide repeats; recount them from the decoded turns."""
+    tok, _, engine, judge = parts
+    agent = ReflectionAgent(RolloutController([engine]), tok, SamplingParams(max_new_tokens=10, temperature=1.0),
+                            judge, max_turns=3, feedback="Not {answer}. Again.")
+    prompt = tok(tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=False,
+                                         add_generation_prompt=True))["input_ids"]
+    samples = run(agent, [Sample(prompt_ids=list(prompt), group_id="g", index=i) for i in range(12)])
+    for s in samples:
+        answers = [final_answer(tok.decode(s.response_ids[t.start: t.end], skip_special_tokens=True))
+                   for t in s.turns]
+        assert s.metrics["retries"] == len(s.turns) - 1
+        assert s.metrics["repeats"] == sum(a is not None and a in answers[:k] for k, a in enumerate(answers) if k)
+        for k, (prev, nxt) in enumerate(zip(s.turns, s.turns[1:])):  # the feedback names turn k's answer
+            between = tok.decode(s.response_ids[prev.end: nxt.start])
+            assert f"Not {answers[k] or 'nothing'}. Again." in between
+    metrics = Evaluator().evaluate(samples)
+    reached_2 = sum(len(s.turns) >= 2 for s in samples)
+    assert metrics["eval/recovered_at_turn_2"] == pytest.approx(
+        sum(s.metrics["solved_turn"] == 2 for s in samples) / reached_2)
+    retries = sum(s.metrics["retries"] for s in samples)
+    assert metrics["eval/retry_repeat_rate"] == pytest.approx(sum(s.metrics["repeats"] for s in samples) / retries)

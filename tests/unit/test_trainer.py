@@ -149,3 +149,24 @@ def test_a_batch_with_nothing_to_train_skips_the_step(model):
     ctl, metrics = _fit(model, [], 100, {})
     assert metrics["train/skipped"] == 1.0 and ctl.version == 0
     assert all(torch.equal(a, b) for a, b in zip(before, ctl.engine.model.parameters()))
+
+
+def test_the_heap_is_trimmed_after_each_forward_and_backward(model, monkeypatch):
+    """Freed activation blocks go back to the OS between micro-batch phases (the README job's peak: 3.13 ->
+    2.65 GB, docs/benchmarks.md): one trim after each forward (no gradient yet) and one after each backward."""
+    import relayrl.trainer.engine as engine_module
+
+    calls = []
+    plain = engine_module.trim_memory
+
+    def recording_trim():
+        calls.append(any(p.grad is not None for p in ctl.engine.model.parameters()))
+        plain()
+
+    monkeypatch.setattr(engine_module, "trim_memory", recording_trim)
+    ctl = TrainController(TrainEngine(copy.deepcopy(model), lr=1e-2), AlgoConfig(), TrainConfig(micro_batch_tokens=20),
+                          pad_id=0, max_new_tokens=16)
+    metrics = ctl.fit(rollout(model))
+    n = int(metrics["train/micro_batches"])
+    assert n > 1 and len(calls) == 2 * n
+    assert calls[:2] == [False, True]  # the first forward has made no gradient yet, its backward has
