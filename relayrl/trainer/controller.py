@@ -121,10 +121,11 @@ class TrainController:
         (minus the KL to the reference when it is in the reward) -> batch whitening over tokens.
 
         Scalar rewards are sample rewards, or per-turn rewards when an agent set them on every turn: then every
-        (sample, turn) is one entry of the group statistics. The return estimator uses turn returns
-        (`Turn.reward`), each turn's tokens getting that turn's value (a one-turn sample reduces to plain
-        GRPO). GAE uses each turn's own reward (`Turn.step_reward`) on that turn's last generated token, and
-        discounts with algo.gamma itself; otherwise the sample reward on its last trained token.
+        (sample, turn) is one entry of the group statistics (grouped by turn index: algo.turn_baseline). The
+        return estimator uses turn returns (`Turn.reward`), each turn's tokens getting that turn's value (a
+        one-turn sample reduces to plain GRPO). GAE uses each turn's own reward (`Turn.step_reward`) on that
+        turn's last generated token, and discounts with algo.gamma itself; otherwise the sample reward on its last
+        trained token.
         """
         a = self.algo
         self._step_stats = {}
