@@ -37,7 +37,8 @@ def groups_of(samples: list[Sample]) -> list[list[Sample]]:
 
 
 def rollout_metrics(samples: list[Sample], prefix: str = "rollout") -> dict[str, float]:
-    """Reward, pass rate, lengths, truncation and group diversity of a batch of finished samples."""
+    """Reward, pass rate, lengths, truncation and group diversity of a batch of finished samples (and success by
+    turn for multi-turn agents)."""
     if not samples:
         return {f"{prefix}/samples": 0.0}
     rewards = [float(s.reward or 0.0) for s in samples]
@@ -58,6 +59,24 @@ def rollout_metrics(samples: list[Sample], prefix: str = "rollout") -> dict[str,
     metric_keys = {k for s in samples for k in s.metrics} - {"reward", "correct"}
     for k in sorted(metric_keys):
         out[f"{prefix}/{k}_mean"] = statistics.fmean(float(s.metrics.get(k, 0.0)) for s in samples)
+    return out | turn_metrics(samples, prefix)
+
+
+def turn_metrics(batch: list[Sample], prefix: str) -> dict[str, float]:
+    """Multi-turn agents: the share solved at turn k, the share of those that reached turn k >= 2 solved there
+    (recovery: the rate that says whether feedback helps, whatever turn 1's accuracy), and the share of retries
+    that only repeated an earlier answer (agents that report `retries` and `repeats`)."""
+    out: dict[str, float] = {}
+    solved = [int(s.metrics["solved_turn"]) for s in batch if "solved_turn" in s.metrics]
+    turns = [int(s.metrics.get("turns", 1)) for s in batch if "solved_turn" in s.metrics]
+    for turn in range(1, max(solved, default=0) + 1):
+        out[f"{prefix}/solved_at_turn_{turn}"] = solved.count(turn) / len(solved)
+    for turn in range(2, max(turns, default=0) + 1):
+        reached = sum(t >= turn for t in turns)
+        out[f"{prefix}/recovered_at_turn_{turn}"] = solved.count(turn) / reached
+    retries = sum(float(s.metrics.get("retries", 0.0)) for s in batch)
+    if retries:
+        out[f"{prefix}/retry_repeat_rate"] = sum(float(s.metrics.get("repeats", 0.0)) for s in batch) / retries
     return out
 
 
@@ -75,7 +94,7 @@ def majority_correct(group: list[Sample], answer_fn: Callable[[str], str | None]
 
 class Evaluator:
     """Metrics of an eval batch: mean reward, pass@1, unbiased pass@k and maj@k for k = 1, 2, 4, ... <= n
-    samples per prompt, and for multi-turn agents the share of samples solved at turn 1, 2, ...
+    samples per prompt, and for multi-turn agents success by turn (`turn_metrics`).
 
     maj@k votes over the first k samples of each prompt, using `answer_fn` to read a sample's final answer
     (for multi-turn samples, the text of the whole trajectory: its last answer counts).
@@ -96,23 +115,5 @@ class Evaluator:
                 pass_at_k(len(g), int(sum(_correct(s) for s in g)), k) for g in groups)
             out[f"{prefix}/maj@{k}"] = statistics.fmean(majority_correct(g[:k], self.answer_fn) for g in groups)
             k *= 2
-        out.update(turn_metrics(batch, prefix))
         return out
 
-
-def turn_metrics(batch: list[Sample], prefix: str) -> dict[str, float]:
-    """Multi-turn agents: the share solved at turn k, the share of those that reached turn k >= 2 solved there
-    (recovery: the rate that says whether feedback helps, whatever turn 1's accuracy), and the share of retries
-    that only repeated an earlier answer (agents that report `retries` and `repeats`)."""
-    out: dict[str, float] = {}
-    solved = [int(s.metrics["solved_turn"]) for s in batch if "solved_turn" in s.metrics]
-    turns = [int(s.metrics.get("turns", 1)) for s in batch if "solved_turn" in s.metrics]
-    for turn in range(1, max(solved, default=0) + 1):
-        out[f"{prefix}/solved_at_turn_{turn}"] = solved.count(turn) / len(solved)
-    for turn in range(2, max(turns, default=0) + 1):
-        reached = sum(t >= turn for t in turns)
-        out[f"{prefix}/recovered_at_turn_{turn}"] = solved.count(turn) / reached
-    retries = sum(float(s.metrics.get("retries", 0.0)) for s in batch)
-    if retries:
-        out[f"{prefix}/retry_repeat_rate"] = sum(float(s.metrics.get("repeats", 0.0)) for s in batch) / retries
-    return out

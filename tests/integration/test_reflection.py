@@ -15,7 +15,7 @@ from relayrl.engine.rollout import RolloutController
 from relayrl.judge import Judge
 from relayrl.judge.math import final_answer
 from relayrl.models import eos_token_ids, load_model, load_tokenizer
-from relayrl.run.evaluator import Evaluator
+from relayrl.run.evaluator import Evaluator, rollout_metrics
 from relayrl.sample import NO_VERSION, Sample
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
@@ -209,3 +209,5 @@ def test_retries_and_repeats_are_counted_turn_by_turn(parts):
         sum(s.metrics["solved_turn"] == 2 for s in samples) / reached_2)
     retries = sum(s.metrics["retries"] for s in samples)
     assert metrics["eval/retry_repeat_rate"] == pytest.approx(sum(s.metrics["repeats"] for s in samples) / retries)
+    train_side = rollout_metrics(samples)  # the same per step of training, for the curves
+    assert train_side["rollout/recovered_at_turn_2"] == metrics["eval/recovered_at_turn_2"]
