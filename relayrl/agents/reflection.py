@@ -12,10 +12,11 @@ and the turn-level discount gamma is applied in one of two ways:
   sum), stored in `Turn.reward`; the trainer then gives each turn's tokens that turn's advantage.
 
 Feedback may name the answer it rejects: a `{answer}` in the feedback text becomes the answer the turn committed
-to (its last \\boxed{}, else its last number; "nothing" when there is none). A small model told only "wrong"
-mostly repeats itself; told "your answer 12 is wrong" it has something to move away from. Each sample records
-`retries` and `repeats` (retries whose answer equals an earlier turn's), so evaluation can report how often a
-retry just repeats itself.
+to (its last \\boxed{}, else its last number; "nothing" when there is none), so the retry knows what to move
+away from. Each sample records `retries` and `repeats` (retries whose answer equals an earlier turn's): a wrong
+retry that repeats itself has learned nothing from the feedback, and `repeat_penalty` (subtracted from such a
+turn's r_t) tells the policy that repeating is worse than trying something else. Measured on SmolLM2-135M
+(docs/benchmarks.md): training raised the share of retries that repeat, so the penalty is there to push back.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class ReflectionAgent(Agent):
     def __init__(self, rollout_ctl, tokenizer, sampling, judge=None, *, max_turns: int = 2,
                  feedback: str = DEFAULT_FEEDBACK, discount: float = 0.9, discount_mode: str = "final",
                  shaping: bool = True, reward_scaling: float = 1.0, reward_bias: float = 0.0,
-                 max_total_tokens: int | None = None):
+                 repeat_penalty: float = 0.0, max_total_tokens: int | None = None):
         super().__init__(rollout_ctl, tokenizer, sampling, judge)
         if judge is None:
             raise ValueError("ReflectionAgent needs a judge: feedback depends on whether an answer is right")
@@ -56,6 +57,9 @@ class ReflectionAgent(Agent):
             raise ValueError(f"agent.kwargs.discount_mode must be 'final' or 'per_turn', got {discount_mode!r}")
         self.max_turns, self.discount, self.discount_mode = max_turns, discount, discount_mode
         self.shaping, self.reward_scaling, self.reward_bias = shaping, reward_scaling, reward_bias
+        if repeat_penalty < 0:
+            raise ValueError(f"agent.kwargs.repeat_penalty must be >= 0, got {repeat_penalty}")
+        self.repeat_penalty = repeat_penalty
         self.max_total_tokens = max_total_tokens
         self.eot = end_of_turn_id(tokenizer)
         self.feedback = feedback
@@ -82,10 +86,9 @@ class ReflectionAgent(Agent):
             if out.output_ids[-1] != self.eot:  # cut at the token limit: close the turn as the template would
                 sample.append_context([self.eot])
             sample.append_context(feedback)
-        self._set_rewards(sample, successes)
-        retries = answers[1:]
-        sample.metrics.update(retries=float(len(retries)),
-                              repeats=float(sum(a is not None and a in answers[:i + 1] for i, a in enumerate(retries))))
+        repeated = [k > 0 and a is not None and a in answers[:k] for k, a in enumerate(answers)]
+        self._set_rewards(sample, successes, repeated)
+        sample.metrics.update(retries=float(len(answers) - 1), repeats=float(sum(repeated)))
         sample.response_text = self.decode(sample.response_ids)
         sample.status = Status.COMPLETED
         return sample
@@ -103,8 +106,10 @@ class ReflectionAgent(Agent):
         room = feedback_len + 1 + self.sampling.max_new_tokens
         return len(sample.input_ids) + room > self.max_total_tokens
 
-    def _set_rewards(self, sample: Sample, successes: list[float]) -> None:
-        rewards = [shaped(s, self.shaping, self.reward_scaling, self.reward_bias) for s in successes]
+    def _set_rewards(self, sample: Sample, successes: list[float], repeated: list[bool] | None = None) -> None:
+        repeated = repeated or [False] * len(successes)
+        rewards = [shaped(s, self.shaping, self.reward_scaling, self.reward_bias) - self.repeat_penalty * r
+                   for s, r in zip(successes, repeated)]
         if self.discount_mode == "per_turn":
             for t, ret, r in zip(sample.turns, turn_returns(rewards, self.discount), rewards):
                 t.reward, t.step_reward = ret, r

@@ -125,6 +125,22 @@ def test_rewards_of_each_mode(parts, mode):
     assert s.metrics["solved_turn"] == 2 and s.metrics["correct"] == 1.0
 
 
+def test_a_repeated_wrong_answer_costs_the_repeat_penalty(parts):
+    tok, _, engine, judge = parts
+    agent = ReflectionAgent(RolloutController([engine]), tok, SamplingParams(max_new_tokens=6), judge, max_turns=3,
+                            discount=0.5, discount_mode="per_turn", repeat_penalty=0.25)
+    s = Sample(prompt_ids=[1, 5, 6])
+    for k in range(3):
+        if k:
+            s.append_context([8])
+        s.append_generated([9 + k], [0.0], [0], "stop")
+    agent._set_rewards(s, [0.0, 0.0, 1.0], [False, True, False])  # wrong, the same wrong answer again, right
+    r = [-1.0, -1.25, 1.0]
+    assert [t.reward for t in s.turns] == pytest.approx([r[0] + 0.5 * (r[1] + 0.5 * r[2]), r[1] + 0.5 * r[2], r[2]])
+    with pytest.raises(ValueError, match="agent.kwargs.repeat_penalty"):
+        ReflectionAgent(RolloutController([engine]), tok, SamplingParams(), judge, repeat_penalty=-1.0)
+
+
 def _turn_samples(returns: list[list[float]]) -> list[Sample]:
     samples = []
     for i, rets in enumerate(returns):
