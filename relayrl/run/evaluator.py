@@ -116,4 +116,3 @@ class Evaluator:
             out[f"{prefix}/maj@{k}"] = statistics.fmean(majority_correct(g[:k], self.answer_fn) for g in groups)
             k *= 2
         return out
-

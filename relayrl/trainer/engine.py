@@ -126,8 +126,8 @@ class TrainEngine:
 
         The heap is trimmed after the forward and after the backward (on the CPU: glibc's malloc_trim). Their
         temporaries are 1-30 MB blocks, which glibc keeps in its heap once freed, and micro-batches of varying
-        lengths leave holes the next one cannot reuse, so resident memory crept up ~0.5 GB per step. Trimmed, the
-        README job's training peak fell from 3.13 to 2.65 GB at the same step time (docs/benchmarks.md)."""
+        lengths leave holes the next one cannot reuse, so resident memory crept up 0.2-0.5 GB per micro-batch. Trimmed,
+        the README job's training peak fell from 3.09 to 2.78 GB at the same step time (bench/train_memory_trace.py)."""
         on_cpu = self.device.type == "cpu"  # a GPU's activations are not in the host heap
         logp, entropy = self.logprobs(mb, with_entropy, entropy_grad)
         loss, mb_stats = loss_fn(mb, logp, entropy)
