@@ -22,6 +22,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.g
 
 from relayrl.common.utils import atomic_write_text  # noqa: E402 - after the path above
 
+# Run a command as on an AVX2-only CPU: restricts ATen's and oneDNN's kernels (not MKL's sgemm, not vLLM's own).
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
 
 def git_commit() -> str:
     """Short sha of HEAD, with '-dirty' when tracked files differ from it ('unknown' outside git)."""

@@ -32,8 +32,6 @@ from pathlib import Path
 import _common
 from memory_phases import descendants, proc_rss
 
-AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -45,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(a, tmp: str) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(AVX2_ENV if a.cpu == "avx2" else {})}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(_common.AVX2_ENV if a.cpu == "avx2" else {})}
     if a.cpu == "avx2":  # the dtype measurement is cached per switch setting: this measures AVX2 behaviour
         code = "import torch; print(torch.backends.cpu.get_cpu_capability())"
         cap = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip()
@@ -95,7 +93,7 @@ def main() -> None:
     a = parse_args()
     load = _common.load_before_run()
     allocator = ("RELAYRL_MALLOC_ARENAS", "MALLOC_ARENA_MAX", "RELAYRL_MMAP_THRESHOLD")  # tune_allocator reads them
-    env_note = (AVX2_ENV if a.cpu == "avx2" else {}) | {k: os.environ[k] for k in allocator if k in os.environ}
+    env_note = (_common.AVX2_ENV if a.cpu == "avx2" else {}) | {k: os.environ[k] for k in allocator if k in os.environ}
     os.environ.update(env_note)  # machine_info measures what this setting does
     res = {**_common.result_header(f"readme_job_{a.cpu}"), "load_before": load, "cpu_setting": a.cpu,
            "env": env_note, "config": a.config, "overrides": a.overrides}
