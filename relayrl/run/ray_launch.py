@@ -95,8 +95,11 @@ def _connect(r: RayConfig) -> bool:
     if ray.is_initialized():
         return False
     if r.address is None:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private single-machine cluster, dashboard off
-        ray.init(num_cpus=r.num_cpus, num_gpus=r.num_gpus, include_dashboard=False, log_to_driver=True)
+        # a private single-machine cluster, dashboard off. address="local": without it ray.init joins whichever
+        # cluster `ray start` left running on this machine (or RAY_ADDRESS), and fails on num_cpus there
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(address="local", num_cpus=r.num_cpus, num_gpus=r.num_gpus, include_dashboard=False,
+                 log_to_driver=True)
         return True
     ray.init(address=r.address, log_to_driver=True)
     return False
