@@ -4,9 +4,8 @@ Why a kernel: at a rollout's shape (hundreds of sequences, one new token each, g
 CPU SDPA spends most of its time on per-(sequence, head) overhead and reaches ~9 GB/s on a machine that reads
 40 GB/s; attention was 61% of a decode step (docs/benchmarks.md). `kernels/decode_attention.c` reads every key
 and value row once, for all query heads that share it, and also writes the step's new key/value (no separate
-index_put). It is compiled once per machine with the system C compiler into `cache_dir()/kernels` (by a temp
-file and a rename, so concurrent processes never load a half-written library) and loaded with ctypes, which
-releases the GIL during the call. Without a compiler, or with RELAYRL_KERNELS=0, LocalEngine uses SDPA.
+index_put). It is compiled once per machine (relayrl.common.cbuild) and loaded with ctypes, which releases the
+GIL during the call. Without a compiler, or with RELAYRL_KERNELS=0, LocalEngine uses SDPA.
 The kernel reads and writes CPU memory through raw pointers, so it is for CPU tensors only: an engine whose model
 is on a GPU always uses SDPA (LocalEngine logs why), and `decode_attention` refuses anything else rather than
 hand a device pointer to C.
@@ -20,64 +19,33 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import subprocess
 from pathlib import Path
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from relayrl.common.utils import cache_dir
+from relayrl.common.cbuild import build_library, kernels_enabled
 
 log = logging.getLogger(__name__)
 
 NAME = "relayrl_slots"
 _SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _LIBS = ["-lmvec", "-lm"]  # -ffast-math vectorises expf through glibc's vector math library
 _DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _MAX_G, _MAX_D = 16, 256  # the kernel's stack buffers (kernels/decode_attention.c)
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags: the library is built with -march=native, so it must not follow a shared
-    cache folder onto a machine with other instructions."""
-    try:
-        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _build() -> Path:
-    cc = os.environ.get("CC", "cc")
-    src = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([src, " ".join([cc, *_CFLAGS, *_LIBS]).encode(), _cpu_flags().encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"decode_attention-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.stem}.{os.getpid()}.so")
-        proc = subprocess.run([cc, *_CFLAGS, str(_SOURCE), "-o", str(tmp), *_LIBS],
-                              capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            raise OSError(f"{cc} failed on {_SOURCE.name}: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, target)
-    return target
-
-
 @functools.cache
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (logged once) when it cannot be built or is switched off."""
-    if os.environ.get("RELAYRL_KERNELS", "1") == "0":
+    if not kernels_enabled():
         return None
     try:
-        lib = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.SubprocessError) as e:
+        lib = ctypes.CDLL(str(build_library(_SOURCE, _CFLAGS, _LIBS)))
+    except OSError as e:
         log.warning("decode-attention kernel unavailable, LocalEngine uses PyTorch SDPA: %s", e)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

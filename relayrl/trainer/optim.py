@@ -11,17 +11,56 @@ fp32 working copies stay a few MB. Storing the moments back needs care:
   nearest it would stop moving (0.999 * v rounds back to v). It is rounded stochastically (up with the
   probability of the dropped fraction), so its expected value is the fp32 one and it decays and grows as it
   should (tests/unit/test_optim.py checks both).
+
+On the CPU the step runs in a small C kernel (`kernels/adamw_bf16.c`, built once per machine by
+relayrl.common.cbuild): one pass over each parameter instead of ~15 over fp32 slices, with the rounding noise
+hashed from (step, parameter, element) instead of drawn by torch.randint; 0.1 s instead of 2 s a step for
+SmolLM2-135M on 2 cores (bench/optim_step.py). Elsewhere (GPU, DTensor shards, no compiler, RELAYRL_KERNELS=0)
+the PyTorch slices below do the same arithmetic.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
 import math
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
+from relayrl.common.cbuild import build_library, kernels_enabled
+
+log = logging.getLogger(__name__)
+
 CHUNK = 1 << 20  # elements per fp32 working slice (4 MB each)
 STATE_DTYPES = ("float32", "bfloat16")
+_SOURCE = Path(__file__).with_name("kernels") / "adamw_bf16.c"
+
+
+@functools.cache
+def load_kernel():
+    """The C step function, or None (logged once) when it cannot be built or kernels are switched off."""
+    if not kernels_enabled():
+        return None
+    try:
+        lib = ctypes.CDLL(str(build_library(_SOURCE, ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"])))
+    except OSError as e:
+        log.warning("bf16-moment AdamW kernel unavailable, the PyTorch version runs: %s", e)
+        return None
+    f32, ptr = ctypes.c_float, ctypes.c_void_p
+    fn = lib.relayrl_adamw_bf16
+    fn.argtypes = [ctypes.c_int64, ptr, ptr, ptr, ptr, f32, f32, f32, f32, f32, f32, f32, ctypes.c_uint32,
+                   ctypes.c_int]
+    fn.restype = None
+    return fn
+
+
+def _kernel_can_take(*tensors: torch.Tensor) -> bool:
+    """Plain contiguous CPU tensors only: a DTensor shard or a device pointer must never reach C."""
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.is_contiguous()
+               for t in tensors)
 
 
 def adamw(params: list[torch.nn.Parameter], *, state_dtype: str = "float32", **kwargs) -> torch.optim.Optimizer:
@@ -47,8 +86,10 @@ class Bf16StateAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction as torch.optim.AdamW) with bf16 moments, fp32 math."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 use_kernel: bool = True):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.kernel = load_kernel() if use_kernel else None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -73,7 +114,14 @@ class Bf16StateAdamW(torch.optim.Optimizer):
         step_size, bc2_sqrt = lr / (1 - beta1**t), math.sqrt(1 - beta2**t)
         # the rounding noise is a function of (step, parameter): a resumed run rounds as the straight one did,
         # and the process's own random streams are left alone
-        gen = torch.Generator(p.device).manual_seed(int(t) * 1_000_003 + index)
+        seed = int(t) * 1_000_003 + index
+        m_all, v_all = state["exp_avg"], state["exp_avg_sq"]
+        if (self.kernel is not None and p.dtype == p.grad.dtype == torch.float32
+                and _kernel_can_take(p, p.grad, m_all, v_all)):
+            self.kernel(p.numel(), p.data_ptr(), p.grad.data_ptr(), m_all.data_ptr(), v_all.data_ptr(), lr, beta1,
+                        beta2, eps, wd, step_size, bc2_sqrt, seed & 0xFFFFFFFF, torch.get_num_threads())
+            return
+        gen = torch.Generator(p.device).manual_seed(seed)
         flat = (p.view(-1), p.grad.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1))
         for w, g, m_bf16, v_bf16 in zip(*(x.split(CHUNK) for x in flat)):
             g = g.float()

@@ -135,13 +135,14 @@ def test_installed_wheel_runs_outside_the_checkout(installed):
     assert helped.returncode == 0 and "train" in helped.stdout and "serve" in helped.stdout, helped.stderr
     keys = _run([str(venv / "bin" / "relayrl"), "train", "--help-config"], cwd=cwd)
     assert keys.returncode == 0 and "algo.clip_high" in keys.stdout, keys.stderr
-    kernel = _run([str(installed["python"]), "-c", "from relayrl.engine.attention import _SOURCE, load_kernel; "
-                   "print(_SOURCE); print(load_kernel() is not None)"], cwd=cwd)
-    assert kernel.returncode == 0, kernel.stderr[-2000:]
-    source, loaded = kernel.stdout.split()
-    assert Path(source).is_file() and Path(source).is_relative_to(installed["site"])
-    if shutil.which(os.environ.get("CC", "cc")):
-        assert loaded == "True", kernel.stderr[-2000:]  # the shipped C source compiles and loads
+    for module in ("relayrl.engine.attention", "relayrl.trainer.optim"):  # the shipped C sources compile and load
+        kernel = _run([str(installed["python"]), "-c", f"from {module} import _SOURCE, load_kernel; "
+                       "print(_SOURCE); print(load_kernel() is not None)"], cwd=cwd)
+        assert kernel.returncode == 0, kernel.stderr[-2000:]
+        source, loaded = kernel.stdout.split()
+        assert Path(source).is_file() and Path(source).is_relative_to(installed["site"])
+        if shutil.which(os.environ.get("CC", "cc")):
+            assert loaded == "True", kernel.stderr[-2000:]
 
 
 def test_every_module_imports_without_the_extras(installed):

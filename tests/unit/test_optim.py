@@ -1,12 +1,19 @@
 """The trainer's AdamW with bf16 moments: same updates as torch's AdamW within bf16 noise, 4 bytes of state per
-parameter, an unbiased second moment (stochastic rounding), and a state that survives save/load as bf16."""
+parameter, an unbiased second moment (stochastic rounding), and a state that survives save/load as bf16; the C
+kernel takes the same step as the PyTorch slices, whatever the thread count."""
 
 import io
+import logging
+import shutil
 
 import pytest
 import torch
 
+from relayrl.trainer import optim
 from relayrl.trainer.optim import Bf16StateAdamW, adamw, stochastic_round_
+
+BF16_ULP = 2.0**-7  # bf16 keeps 8 significant bits: neighbours differ by at most this much relative
+HAVE_CC = shutil.which("cc") is not None
 
 
 def regression(seed: int = 0):
@@ -26,16 +33,86 @@ def fit(opt_cls, steps: int = 200, **kw) -> torch.Tensor:
     return w.detach()
 
 
-def test_bf16_moments_follow_torch_adamw():
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "pytorch"])
+def test_bf16_moments_follow_torch_adamw(use_kernel):
     kw = dict(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.01)
     ref = fit(torch.optim.AdamW, foreach=False, **kw)
-    ours = fit(Bf16StateAdamW, **kw)
+    ours = fit(Bf16StateAdamW, use_kernel=use_kernel, **kw)
     assert (ours - ref).abs().max() < 0.02 * ref.abs().max()
     # one step from zero state is exact: m = 0.1 g, v = 0.001 g^2 -> the update is -lr * sign(g) (up to eps)
     w = torch.nn.Parameter(torch.zeros(3))
     w.grad = torch.tensor([2.0, -0.5, 1e-3])
-    Bf16StateAdamW([w], lr=0.1).step()
+    Bf16StateAdamW([w], lr=0.1, use_kernel=use_kernel).step()
     torch.testing.assert_close(w.detach(), torch.tensor([-0.1, 0.1, -0.1]), atol=1e-5, rtol=0)
+
+
+def one_step(use_kernel: bool, threads: int | None = None, steps_before: int = 6):
+    """A parameter with a mid-training state (moments of varied sign and scale), stepped once more."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.nn.Parameter(torch.randn(3, 1000, generator=g))
+    opt = Bf16StateAdamW([w], lr=1e-2, weight_decay=0.1, use_kernel=use_kernel)
+    opt.state[w].update(step=torch.tensor(float(steps_before)),
+                        exp_avg=(torch.randn(3, 1000, generator=g) * 0.1).bfloat16(),
+                        exp_avg_sq=(torch.rand(3, 1000, generator=g) * 1e-2).bfloat16())
+    w.grad = torch.randn(3, 1000, generator=g)
+    before = {k: v.clone() for k, v in opt.state[w].items()}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        opt.step()
+    finally:
+        torch.set_num_threads(previous)
+    return w.detach(), opt.state[w], before, w.grad
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the kernel cannot be built here")
+def test_the_kernel_takes_the_pytorch_step():
+    assert optim.load_kernel() is not None
+    wk, sk, before, grad = one_step(use_kernel=True)
+    wt, st, _, _ = one_step(use_kernel=False)
+    # the first moment is rounded to nearest in both: equal up to one bf16 step where fp32 rounding differs
+    torch.testing.assert_close(sk["exp_avg"].float(), st["exp_avg"].float(), rtol=BF16_ULP, atol=1e-12)
+    # the second moment is rounded stochastically: each side lands on one of the two bf16 neighbours of the
+    # same fp32 value
+    v32 = before["exp_avg_sq"].float() * 0.999 + 0.001 * grad * grad
+    for v in (sk["exp_avg_sq"], st["exp_avg_sq"]):
+        assert ((v.float() - v32).abs() <= v32 * BF16_ULP).all()
+    torch.testing.assert_close(wk, wt, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(sk["exp_avg_sq"], st["exp_avg_sq"])  # two code paths ran: their noise differs
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the kernel cannot be built here")
+def test_the_kernel_step_is_the_same_on_any_thread_count():
+    one, two = one_step(True, threads=1), one_step(True, threads=2)
+    assert torch.equal(one[0], two[0])
+    assert all(torch.equal(one[1][k], two[1][k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the kernel cannot be built here")
+def test_the_kernel_second_moment_decays_unbiased():
+    """Zero gradients: v <- 0.999 v every step. Rounded to nearest it would never move (checked below on the
+    PyTorch helper); the kernel's stochastic rounding keeps its mean on 0.999^t."""
+    w = torch.nn.Parameter(torch.zeros(100_000))
+    opt = Bf16StateAdamW([w], lr=1e-3, use_kernel=True)
+    assert opt.kernel is not None
+    opt.state[w].update(step=torch.tensor(0.0), exp_avg=torch.zeros(100_000, dtype=torch.bfloat16),
+                        exp_avg_sq=torch.ones(100_000, dtype=torch.bfloat16))
+    w.grad = torch.zeros_like(w)
+    for _ in range(500):
+        opt.step()
+    assert float(opt.state[w]["exp_avg_sq"].float().mean()) == pytest.approx(0.999**500, rel=0.01)
+    assert torch.equal(w.detach(), torch.zeros_like(w))
+
+
+def test_without_a_kernel_the_pytorch_step_runs(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("RELAYRL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    with caplog.at_level(logging.WARNING, logger="relayrl.trainer.optim"):
+        assert optim.load_kernel.__wrapped__() is None
+    assert "false failed on adamw_bf16.c" in caplog.text
+    monkeypatch.setattr(optim, "load_kernel", lambda: None)
+    ours = fit(Bf16StateAdamW, lr=1e-2)
+    assert torch.isfinite(ours).all() and ours.abs().max() > 0
 
 
 def test_state_is_bf16_and_half_of_fused_adamw():

@@ -1,0 +1,67 @@
+"""Compile one of relayrl's small C kernels for this machine, once, and cache the shared library.
+
+Two components have a C kernel (the engine's decode attention, the trainer's bf16-moment AdamW); both are built
+with the system C compiler and `-march=native` into `cache_dir()/kernels`, keyed by the source, the command line,
+the CPU's feature flags and the architecture, so a cache folder shared between machines never hands a library
+to a CPU without its instructions. Where torch is restricted to a lower ISA (ATEN_CPU_CAPABILITY=avx2 or
+default, e.g. `--cpu avx2` in the benches), the kernels are built for that ISA too (x86-64-v3 or baseline
+x86-64), so a measurement "as on an AVX2 CPU" is that for the kernels as well. The library is written to a temp
+file and renamed, so concurrent processes never load a half-written one. Callers load it with ctypes (which
+releases the GIL during calls) and fall back to PyTorch when the build fails or RELAYRL_KERNELS=0.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+from relayrl.common.utils import cache_dir
+
+
+def kernels_enabled() -> bool:
+    """RELAYRL_KERNELS=0 switches every C kernel off (PyTorch paths only)."""
+    return os.environ.get("RELAYRL_KERNELS", "1") != "0"
+
+
+@functools.cache
+def _cpu_flags() -> str:
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+_MARCH_FOR_CAPABILITY = {"avx2": "-march=x86-64-v3", "default": "-march=x86-64"}
+
+
+def _target_flags(cflags: list[str]) -> list[str]:
+    """cflags with -march=native lowered to the ISA torch is restricted to, if it is (x86 only)."""
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if platform.machine() not in ("x86_64", "AMD64") or cap not in _MARCH_FOR_CAPABILITY:
+        return list(cflags)
+    return [_MARCH_FOR_CAPABILITY[cap] if f == "-march=native" else f for f in cflags]
+
+
+def build_library(source: Path, cflags: list[str], libs: list[str] = ()) -> Path:
+    """The path of `source` compiled into a shared library for this machine; raises OSError if the build fails."""
+    cc, cflags = os.environ.get("CC", "cc"), _target_flags(cflags)
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join([cc, *cflags, *libs]).encode(),
+                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.stem}.{os.getpid()}.so")
+        try:
+            proc = subprocess.run([cc, *cflags, "-shared", "-fPIC", str(source), "-o", str(tmp), *libs],
+                                  capture_output=True, text=True, timeout=300)
+        except subprocess.SubprocessError as e:
+            raise OSError(f"{cc} on {source.name}: {e}") from e
+        if proc.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise OSError(f"{cc} failed on {source.name}: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    return target
