@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import resource
@@ -262,6 +263,8 @@ def main() -> None:
     a = parse_args()
     if a.side:
         return run_side(a)
+    if any(s.startswith("trl") for s in a.sides) and importlib.util.find_spec("trl") is None:
+        sys.exit("error: the trl sides need TRL: .venv/bin/pip install '.[bench]' (or --sides relayrl)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from relayrl.models import resolve_model_path, tiny_model
 

@@ -15,6 +15,7 @@ weight sync). Sides run one after another, each in its own subprocess.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -130,7 +131,7 @@ def child_env(a: argparse.Namespace) -> dict[str, str]:
 
 
 def run_relayrl(side: str, a: argparse.Namespace, tmp: str) -> dict:
-    """`relayrl train` in a subprocess, watched through its metrics.jsonl; interrupted (SIGINT: the run closes its
+    """`relayrl train` in a subprocess, watched through its metrics.jsonl; interrupted (SIGTERM: the run closes its
     engines and producer) at the first eval where the stop rule fires."""
     over = [*shared_overrides(a), *side_overrides(side, a), f"run.output_dir={tmp}", f"run.name={side}"]
     cfg = resolve_precision(load_run_config(a.config, over), quiet=True)  # a bad override fails here, named
@@ -145,7 +146,7 @@ def run_relayrl(side: str, a: argparse.Namespace, tmp: str) -> dict:
             points = relayrl_curve(read_jsonl(metrics))[0] if metrics.is_file() else []
             if should_stop(points):
                 stopped = True
-                proc.send_signal(signal.SIGINT)
+                proc.send_signal(signal.SIGTERM)  # SIGINT: ignored when this runs as a background job
                 try:
                     proc.wait(timeout=120)
                 except subprocess.TimeoutExpired:
@@ -286,6 +287,8 @@ def main() -> None:
     except (ConfigError, InputError, OSError) as e:
         sys.exit(f"error: {e}")
     a.trl_micro_batch = min(a.trl_micro_batch, cfg.data.batch_size * cfg.data.group_size)
+    if "trl" in a.sides and importlib.util.find_spec("trl") is None:  # before the relayrl sides spend their hour
+        sys.exit("error: the trl side needs TRL: .venv/bin/pip install '.[bench]' (or --sides sync,async)")
     if "trl" in a.sides and (problem := _tta_trl.settings_problem(cfg, a.trl_micro_batch)):
         sys.exit(f"error: {problem}")
     out, png = outputs(a)

@@ -10,8 +10,10 @@ import importlib.metadata
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import yaml
@@ -23,6 +25,25 @@ from relayrl.config.docs import describe
 from relayrl.config.schema import Config, load_run_config
 
 SERVE_EXTRA = ("uvicorn",)  # the packages of the `serve` extra (pyproject.toml): the HTTP server
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler's stop, `kill`, systemd, a benchmark harness). Raised in the main thread like
+    Ctrl-C's KeyboardInterrupt, so a run stops through the same cleanup (engines, producer, judge workers,
+    servers, trackers) instead of dying mid-write; it also stops a run started from a shell that ignores SIGINT
+    in background jobs, where Ctrl-C never reaches Python."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    if os.getpid() != _main_pid:  # a forked child that inherited the handler: die as SIGTERM means
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+    raise Terminated
+
+
+_main_pid = os.getpid()
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -52,9 +73,15 @@ def _torchrun(world_size: int, argv: list[str]) -> int:
     under a torchrun of the user's own (RANK is set: several machines), relayrl does not start one."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
            "-m", "relayrl.cli", *argv]
+    proc = subprocess.Popen(cmd)
     try:
-        return subprocess.call(cmd)
-    except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops its ranks
+        return proc.wait()
+    except Terminated:  # only this process got it: torchrun forwards SIGTERM to its ranks
+        proc.terminate()
+        proc.wait()
+        raise
+    except KeyboardInterrupt:  # torchrun got the same Ctrl-C (the terminal's process group) and stops its ranks
+        proc.wait()
         return 130
 
 
@@ -226,6 +253,18 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     tune_allocator()  # before torch starts threads: they must share one malloc arena
     args = parser().parse_args(argv)
+    if threading.current_thread() is not threading.main_thread():  # called from a thread: signals are not ours
+        return _run(args)
+    global _main_pid
+    _main_pid = os.getpid()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # user code named by import path in configs lives in the project folder
     try:
@@ -236,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, InputError) as e:  # a user's file: the message names it (and the line)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
