@@ -300,20 +300,26 @@ def main() -> None:
             metrics[side] = run_trl_child(a, tmp) if side == "trl" else run_relayrl(side, a, tmp)
             metrics[side] |= settle(metrics[side], stop_rule(a))
             metrics[side] |= to_target(metrics[side], a.target)
+            # after every side, so a run cut short (a restart, a kill) keeps the sides it finished
+            _common.write_json(out, result(a, cfg, metrics, load, png, complete=len(metrics) == len(a.sides)))
     plot(metrics, a.target, png)
-    result = {**_common.result_header("time_to_accuracy"), "metrics": metrics, "ratios": ratios(metrics),
-              "workload": {"config": a.config, "model": a.model, "target": a.target, "eval_every": a.eval_every,
-                           "eval_size": a.eval_size, "eval_n": cfg.eval.n, "budget_min": a.budget_min,
-                           "max_steps": a.max_steps, "prompts_per_step": cfg.data.batch_size,
-                           "group_size": cfg.data.group_size, "lr": cfg.train.lr,
-                           "max_new_tokens": cfg.sampling.max_new_tokens, "temperature": cfg.sampling.temperature,
-                           "staleness": a.staleness, "separate": a.separate, "seed": a.seed, "threads": a.threads,
-                           "overrides": shared_overrides(a), "quick": a.quick},
-              "checks": {"loadavg_1min_at_start": load,
-                         "pass_at_step0": {s: m["curve"][0]["pass@1"] for s, m in metrics.items()}},
-              "notes": NOTES, "plot": str(png.relative_to(_common.REPO) if png.is_relative_to(_common.REPO) else png)}
-    _common.write_json(out, result)
-    print(json.dumps({"out": str(out), "plot": str(png), **result["ratios"]}, indent=2))
+    print(json.dumps({"out": str(out), "plot": str(png), **ratios(metrics)}, indent=2))
+
+
+def result(a: argparse.Namespace, cfg, metrics: dict, load: float, png: Path, complete: bool) -> dict:
+    """The result JSON: sides run so far, their ratios, the shared workload and the checks."""
+    return {**_common.result_header("time_to_accuracy"), "complete": complete, "sides_done": list(metrics),
+            "metrics": metrics, "ratios": ratios(metrics),
+            "workload": {"config": a.config, "model": a.model, "target": a.target, "eval_every": a.eval_every,
+                         "eval_size": a.eval_size, "eval_n": cfg.eval.n, "budget_min": a.budget_min,
+                         "max_steps": a.max_steps, "prompts_per_step": cfg.data.batch_size,
+                         "group_size": cfg.data.group_size, "lr": cfg.train.lr,
+                         "max_new_tokens": cfg.sampling.max_new_tokens, "temperature": cfg.sampling.temperature,
+                         "staleness": a.staleness, "separate": a.separate, "seed": a.seed, "threads": a.threads,
+                         "overrides": shared_overrides(a), "quick": a.quick},
+            "checks": {"loadavg_1min_at_start": load,
+                       "pass_at_step0": {s: m["curve"][0]["pass@1"] for s, m in metrics.items()}},
+            "notes": NOTES, "plot": str(png.relative_to(_common.REPO) if png.is_relative_to(_common.REPO) else png)}
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ def test_quick_run_has_curves_for_all_three_sides(tmp_path):
     assert r["workload"]["eval_size"] == 4 and r["workload"]["temperature"] == 1.0
     assert r["machine"]["cores"] and "time_to_accuracy.py --quick" in r["command"]
     assert set(r["checks"]["pass_at_step0"]) == {"sync", "async", "trl"}
+    assert r["complete"] is True and r["sides_done"] == ["sync", "async", "trl"]  # written after each side too
 
 
 @pytest.mark.slow
