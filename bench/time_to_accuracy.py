@@ -8,7 +8,7 @@ the first eval at or above --target, at the first eval past --budget-min of trai
 Wall-clock excludes start-up and eval: it is the sum of the training steps' seconds (rollout + reward + train +
 weight sync). Sides run one after another, each in its own subprocess.
 
-    .venv/bin/python bench/time_to_accuracy.py            # full run (SmolLM2, 8x8, 128 tokens, target 0.6)
+    .venv/bin/python bench/time_to_accuracy.py            # full run (the example: SmolLM2, 8x8, 64 tokens; target 0.6)
     .venv/bin/python bench/time_to_accuracy.py --quick    # smoke run on the tiny random model (< 2 min)
 """
 
