@@ -14,6 +14,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,3 +91,18 @@ def curve_point(step: int, samples: int, wall_s: float, metrics: dict[str, float
     p = metrics["eval/pass@1"]
     return {"step": step, "samples": samples, "wall_s_excl_eval": wall_s, "pass@1": p,
             "stderr": std_err(p, int(metrics["eval/samples"])), "eval_s": metrics.get("time/eval_s", 0.0)}
+
+
+def run_child(script: str, args: list[str], what: str, env: dict[str, str] | None = None) -> dict:
+    """Run `script args --result-file F` in a fresh interpreter and return the dict it wrote to F. A paired bench
+    runs each side this way so that every side has its own heap and high-water mark; the child's stdout goes to
+    our stderr (our stdout is the result), and a failed child stops the bench naming `what`."""
+    with tempfile.TemporaryDirectory(prefix="bench_child_") as d:
+        out = os.path.join(d, "result.json")
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore",
+               **(env or {})}
+        proc = subprocess.run([sys.executable, os.path.abspath(script), *args, "--result-file", out], env=env,
+                              cwd=REPO, stdout=sys.stderr)
+        if proc.returncode:
+            raise SystemExit(f"{what} failed with exit code {proc.returncode}")
+        return json.loads(Path(out).read_text())

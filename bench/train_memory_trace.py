@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -104,15 +101,8 @@ def run_side(a) -> dict:
 
 
 def child(side: str, a) -> dict:
-    with tempfile.TemporaryDirectory(prefix="bench_trace_res_") as d:
-        out = os.path.join(d, "result.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--config", a.config,
-               "--steps", str(a.steps), "--result-file", out]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
-        proc = subprocess.run(cmd, env=env, cwd=_common.REPO, stdout=sys.stderr)
-        if proc.returncode:
-            raise SystemExit(f"side {side} failed with exit code {proc.returncode}")
-        return json.loads(Path(out).read_text())
+    return _common.run_child(__file__, ["--side", side, "--config", a.config, "--steps", str(a.steps)],
+                             f"side {side}")
 
 
 def main() -> None:

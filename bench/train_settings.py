@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -96,17 +93,8 @@ def run_child(a) -> dict:
 
 
 def child(spec: str, a) -> dict:
-    with tempfile.TemporaryDirectory(prefix="bench_settings_res_") as d:
-        out = os.path.join(d, "result.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", spec, "--config", a.config,
-               "--steps", str(a.steps), "--result-file", out]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
-        if a.cpu == "avx2":
-            env |= _common.AVX2_ENV
-        proc = subprocess.run(cmd, env=env, cwd=_common.REPO, stdout=sys.stderr)
-        if proc.returncode:
-            raise SystemExit(f"side {spec!r} failed with exit code {proc.returncode}")
-        return json.loads(Path(out).read_text())
+    return _common.run_child(__file__, ["--child", spec, "--config", a.config, "--steps", str(a.steps)],
+                             f"side {spec!r}", _common.AVX2_ENV if a.cpu == "avx2" else None)
 
 
 def summarize(runs: list[dict], names: list[str]) -> dict:
