@@ -19,7 +19,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -215,20 +214,12 @@ def run_side(a) -> None:
 
 # ---- driver ------------------------------------------------------------------------------------------------
 def child(a, side: str, model: str) -> dict:
-    with tempfile.TemporaryDirectory(prefix="bench_res_") as d:
-        out = os.path.join(d, "result.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--result-file", out, "--model", model,
-               "--prompts", str(a.prompts), "--group", str(a.group), "--max-new-tokens", str(a.max_new_tokens),
-               "--temperature", str(a.temperature), "--steps", str(a.steps), "--seed", str(a.seed),
-               "--threads", str(a.threads), "--trl-micro-batch", str(a.trl_micro_batch)]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-               "OMP_NUM_THREADS": str(a.threads), "PYTHONWARNINGS": "ignore"}
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, cwd=_common.REPO, stdout=sys.stderr)
-        if proc.returncode:
-            raise SystemExit(f"side {side} failed with exit code {proc.returncode}")
-        with open(out) as f:
-            res = json.load(f)
+    args = ["--side", side, "--model", model, "--prompts", str(a.prompts), "--group", str(a.group),
+            "--max-new-tokens", str(a.max_new_tokens), "--temperature", str(a.temperature), "--steps", str(a.steps),
+            "--seed", str(a.seed), "--threads", str(a.threads), "--trl-micro-batch", str(a.trl_micro_batch)]
+    t0 = time.perf_counter()
+    res = _common.run_child(__file__, args, f"side {side}",
+                            {"TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": str(a.threads)})
     res["process_s"] = time.perf_counter() - t0
     return res
 

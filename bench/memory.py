@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import threading
@@ -179,14 +178,7 @@ def run_relayrl(a) -> dict:
 
 
 def child(extra: list[str], script: str = __file__) -> dict:
-    with tempfile.TemporaryDirectory(prefix="bench_mem_res_") as d:
-        out = os.path.join(d, "result.json")
-        cmd = [sys.executable, os.path.abspath(script), *extra, "--result-file", out]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
-        proc = subprocess.run(cmd, env=env, cwd=_common.REPO, stdout=sys.stderr)
-        if proc.returncode:
-            raise SystemExit(f"{cmd[1:3]} failed with exit code {proc.returncode}")
-        return json.loads(Path(out).read_text())
+    return _common.run_child(script, extra, f"{Path(script).name} {' '.join(extra[:2])}")
 
 
 def trl_side(side: str, steps: int) -> dict:

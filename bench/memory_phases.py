@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -181,15 +179,8 @@ def main() -> None:
     load = _common.load_before_run()
     res = {**_common.result_header("memory_phases"), "load_before": load, "config": a.config,
            "overrides": a.overrides, "steps": a.steps, "eval_every": a.eval_every}
-    with tempfile.TemporaryDirectory(prefix="bench_phases_res_") as d:
-        out = os.path.join(d, "result.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--config", a.config, "--steps", str(a.steps),
-               "--eval-every", str(a.eval_every), *overrides, "--result-file", out]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
-        proc = subprocess.run(cmd, env=env, cwd=_common.REPO, stdout=sys.stderr)
-        if proc.returncode:
-            raise SystemExit(f"the job failed with exit code {proc.returncode}")
-        res |= json.loads(Path(out).read_text())
+    res |= _common.run_child(__file__, ["--config", a.config, "--steps", str(a.steps), "--eval-every",
+                                        str(a.eval_every), *overrides], "the job")
     print(json.dumps(res, indent=2))
     if not a.quick:
         _common.write_json(a.out, res)
