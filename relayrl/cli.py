@@ -34,16 +34,17 @@ class Terminated(KeyboardInterrupt):
     in background jobs, where Ctrl-C never reaches Python."""
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
-    if os.getpid() != _main_pid:  # a forked child that inherited the handler: die as SIGTERM means
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
-    raise Terminated
-
-
-_main_pid = os.getpid()
+def _sigterm_handler(main_pid: int):
+    """The SIGTERM handler of process `main_pid`: raise Terminated there; in a forked child that inherited it, die
+    as SIGTERM means."""
+    def on_sigterm(signum: int, frame: object) -> None:
+        if os.getpid() != main_pid:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+        raise Terminated
+    return on_sigterm
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -255,9 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if threading.current_thread() is not threading.main_thread():  # called from a thread: signals are not ours
         return _run(args)
-    global _main_pid
-    _main_pid = os.getpid()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = signal.signal(signal.SIGTERM, _sigterm_handler(os.getpid()))
     try:
         return _run(args)
     finally:
