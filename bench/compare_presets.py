@@ -25,7 +25,7 @@ from pathlib import Path
 import _common
 
 from relayrl.common.utils import read_jsonl
-from relayrl.config.schema import PRESETS
+from relayrl.config.presets import PRESETS
 from relayrl.tracking.plot import plot_run
 
 QUICK = ["model.autocast_bf16=false", "engine.dtype=float32", "data.batch_size=2", "data.group_size=4",

@@ -32,8 +32,9 @@ process.
 
 The long-context case (--long-shape, default 2 prompts x 2 samples, 1024-token prompts and 1024 new tokens, the
 135M shape) runs with train.micro_batch_tokens and model.gradient_checkpointing varied (--long-variants).
---malloc-experiment SIZE reruns SIZE's default series with MALLOC_ARENA_MAX=2, with a fixed
-MALLOC_MMAP_THRESHOLD_ (large blocks always mmap'd, so freed at once) and with malloc_trim(0) between phases.
+--malloc-experiment SIZE reruns SIZE's first --series with MALLOC_ARENA_MAX=2, with a fixed
+MALLOC_MMAP_THRESHOLD_ (large blocks always mmap'd, so freed at once), with that plus transparent huge pages, and
+with malloc_trim(0) between phases (--malloc-variants picks some of them).
 
     .venv/bin/python bench/scaling.py                     # full run (~1 h on 2 shared cores)
     .venv/bin/python bench/scaling.py --sizes smollm2-135m --no-long run.threads=1
@@ -62,6 +63,12 @@ MALLOC_VARIANTS = {  # name -> (environment, child option)
     "MALLOC_ARENA_MAX=2": ({"MALLOC_ARENA_MAX": "2"}, {}),
     "MALLOC_MMAP_THRESHOLD_=1MiB": ({"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}, {}),
     "malloc_trim_between_phases": ({}, {"malloc_trim": True}),
+    # the same fixed threshold with transparent huge pages on the mappings, asked for by glibc (>= 2.35) or by
+    # torch's allocator (tensors >= 2 MB): a fresh 2 MB page costs one fault where 4 KB pages cost 512
+    "MALLOC_MMAP_THRESHOLD_=1MiB+glibc_THP": ({"MALLOC_MMAP_THRESHOLD_": str(1 << 20),
+                                               "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, {}),
+    "MALLOC_MMAP_THRESHOLD_=1MiB+torch_THP": ({"MALLOC_MMAP_THRESHOLD_": str(1 << 20),
+                                               "THP_MEM_ALLOC_ENABLE": "1"}, {}),
 }
 
 # ---- the model shapes (published HF configs; only what differs from the transformers defaults matters) --------
@@ -106,6 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="MICRO_BATCH_TOKENS:GRADIENT_CHECKPOINTING pairs for the long-context case")
     p.add_argument("--malloc-experiment", default="smollm2-135m",
                    help="comma-separated sizes rerun with the allocator variants ('' for none)")
+    p.add_argument("--malloc-variants", default=",".join(MALLOC_VARIANTS),
+                   help="comma-separated allocator variants: " + ", ".join(MALLOC_VARIANTS))
     p.add_argument("--mem-margin-gb", type=float, default=1.0,
                    help="keep this much of MemAvailable free when deciding whether a run can start")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per subprocess")
@@ -377,7 +386,8 @@ def run_child(spec: dict) -> dict:
                          "gradient_checkpointing": cfg.model.gradient_checkpointing,
                          "attention": engine.attention, "threads": torch.get_num_threads(),
                          "malloc_trim": bool(spec.get("malloc_trim")),
-                         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}}
+                         "malloc_env": {k: v for k, v in os.environ.items()
+                                        if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE")}}}
 
 # ---- the parent: plan, run, summarize ---------------------------------------------------------------------------
 def run_spec(a, spec: dict, env_extra: dict | None = None) -> dict:
@@ -566,8 +576,11 @@ def main() -> None:
     table = size_table(a.quick)
     names = [s for s in a.sizes.split(",") if s]
     series = [s for s in a.series.split(",") if s]
-    if unknown := [s for s in names if s not in table] + [s for s in series if s not in SERIES]:
-        raise SystemExit(f"unknown sizes or series {unknown}; sizes: {list(table)}, series: {list(SERIES)}")
+    variants = [v for v in a.malloc_variants.split(",") if v]
+    if unknown := ([s for s in names if s not in table] + [s for s in series if s not in SERIES]
+                   + [v for v in variants if v not in MALLOC_VARIANTS]):
+        raise SystemExit(f"unknown sizes, series or malloc variants {unknown}; sizes: {list(table)}, "
+                         f"series: {list(SERIES)}, variants: {list(MALLOC_VARIANTS)}")
     shape, long_shape = parse_shape(a.shape), parse_shape(a.long_shape)
     mem_total = meminfo()["MemTotal"]
     res = {**_common.result_header("scaling"), "mem_total_gb": mem_total / GB,
@@ -590,9 +603,11 @@ def main() -> None:
     for name in (s for s in a.malloc_experiment.split(",") if s):
         hf_config, _ = table[name]
         n = count_params(hf_config)
-        exp = res.setdefault("malloc_experiments", {})[name] = {}
-        for key, (env, extra) in MALLOC_VARIANTS.items():
-            exp[key] = run_planned(a, f"malloc {name} {key}", hf_config, n, shape, [], mem_total, env, **extra)
+        exp = res.setdefault("malloc_experiments", {})[name] = {"series": series[0]}
+        for key in variants:
+            env, extra = MALLOC_VARIANTS[key]
+            exp[key] = run_planned(a, f"malloc {name} {key}", hf_config, n, shape, SERIES[series[0]], mem_total,
+                                   env, **extra)
             save_partial(a, res)
     if a.long:
         hf_config, _ = table[a.long_size]

@@ -93,6 +93,12 @@ class Sample:
         self.versions += [NO_VERSION] * len(ids)
         self.loss_mask += [0] * len(ids)
 
+    def mask_turn(self, j: int) -> None:
+        """Keep turn j in the sequence (the model saw it) but out of the loss: an agent that trains only some of
+        its turns (e.g. the retries after feedback) calls this. The turn keeps its slice and reward."""
+        t = self.turns[j]
+        self.loss_mask[t.start: t.end] = [0] * (t.end - t.start)
+
     # ---- views --------------------------------------------------------------------------------
     @property
     def input_ids(self) -> list[int]:

@@ -17,6 +17,13 @@ away from. Each sample records `retries` and `repeats` (retries whose answer equ
 retry that repeats itself has learned nothing from the feedback, and `repeat_penalty` (subtracted from such a
 turn's r_t) tells the policy that repeating is worse than trying something else. Measured on SmolLM2-135M
 (docs/benchmarks.md): training raised the share of retries that repeat, so the penalty is there to push back.
+
+`train_turns="retries"` trains only the turns that follow feedback (the first answer stays in the sequence as
+context, its tokens out of the loss), the first stage of SCoRe (Kumar et al., 2024). Trained on every turn, a
+small model spends its updates on answering right the first time, and the retries it is left with are the
+problems it still gets wrong, so recoveries cannot be read or learned apart from first answers. With the first
+turn untrained, every update is about using the feedback, and turn 1 moves only as far as the shared weights
+carry it. A sample solved at its first turn then has nothing to train and is left out of the step.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ class ReflectionAgent(Agent):
     def __init__(self, rollout_ctl, tokenizer, sampling, judge=None, *, max_turns: int = 2,
                  feedback: str = DEFAULT_FEEDBACK, discount: float = 0.9, discount_mode: str = "final",
                  shaping: bool = True, reward_scaling: float = 1.0, reward_bias: float = 0.0,
-                 repeat_penalty: float = 0.0, max_total_tokens: int | None = None):
+                 repeat_penalty: float = 0.0, train_turns: str = "all", max_total_tokens: int | None = None):
         super().__init__(rollout_ctl, tokenizer, sampling, judge)
         if judge is None:
             raise ValueError("ReflectionAgent needs a judge: feedback depends on whether an answer is right")
@@ -60,6 +67,9 @@ class ReflectionAgent(Agent):
         if repeat_penalty < 0:
             raise ValueError(f"agent.kwargs.repeat_penalty must be >= 0, got {repeat_penalty}")
         self.repeat_penalty = repeat_penalty
+        if train_turns not in ("all", "retries"):
+            raise ValueError(f"agent.kwargs.train_turns must be 'all' or 'retries', got {train_turns!r}")
+        self.train_turns = train_turns
         self.max_total_tokens = max_total_tokens
         self.eot = end_of_turn_id(tokenizer)
         self.feedback = feedback
@@ -88,6 +98,8 @@ class ReflectionAgent(Agent):
             sample.append_context(feedback)
         repeated = [k > 0 and a is not None and a in answers[:k] for k, a in enumerate(answers)]
         self._set_rewards(sample, successes, repeated)
+        if self.train_turns == "retries":
+            sample.mask_turn(0)
         sample.metrics.update(retries=float(len(answers) - 1), repeats=float(sum(repeated)))
         sample.response_text = self.decode(sample.response_ids)
         sample.status = Status.COMPLETED

@@ -15,63 +15,9 @@ from typing import Any, Literal
 from relayrl.common.device import DEVICE_SETTINGS, valid_device_setting
 from relayrl.common.net import check_address
 from relayrl.config.loader import check, fill_missing, load_config
+from relayrl.config.presets import DEFAULT_MAX_NEW_TOKENS, PRESETS, PresetName, int_at
 from relayrl.config.rules import check_rules
 from relayrl.config.trackers import DEFAULT_TRACKERS, tracker_problem
-
-
-def _get_int(data: dict[str, Any], section: str, key: str, default: int) -> int | None:
-    """data[section][key] if it is an int (a bad value is reported at its own key, not at a derived one)."""
-    part = data.get(section)
-    value = part.get(key, default) if isinstance(part, dict) else default
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _dapo_overlong_buffer(data: dict[str, Any]) -> int:
-    """DAPO punishes the last 4096 of 20480 tokens: a fifth of sampling.max_new_tokens."""
-    max_new = _get_int(data, "sampling", "max_new_tokens", SamplingConfig.max_new_tokens)
-    return max_new // 5 if max_new else 0
-
-
-# Each preset is a partial config (section -> knobs); a value may be a function of the merged config data,
-# evaluated at expansion. docs/algorithms.md explains every knob and cites the papers.
-PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    # group-normalised advantages, token-level mean loss (as AReaL/DAPO aggregate)
-    "grpo": {"algo": {"adv_mean": "group", "adv_std": "group", "adv_leave_one_out": False,
-                      "loss_agg": "token_mean"}},
-    # Dr.GRPO: no std normalisation, token sums normalised by a constant length
-    "dr_grpo": {"algo": {"adv_mean": "group", "adv_std": "none", "adv_leave_one_out": False,
-                         "loss_agg": "seq_mean_token_sum_norm"}},
-    # RLOO: leave-one-out group baseline, no std normalisation
-    "rloo": {"algo": {"adv_mean": "group", "adv_std": "none", "adv_leave_one_out": True,
-                      "loss_agg": "token_mean"}},
-    # REINFORCE++: k1 KL to the reference in the per-token reward, return whitened over the batch's tokens
-    "reinforce_pp": {"algo": {"adv_estimator": "return", "adv_mean": "batch", "adv_std": "batch",
-                              "adv_leave_one_out": False, "loss_agg": "token_mean", "kl_mode": "reward",
-                              "kl_estimator": "k1", "kl_coef": 0.001}},
-    # REINFORCE++-baseline: group-mean baseline, then whitened over the batch's tokens (its paper's global
-    # normalisation: the batch mean too, which shifts the advantages once KL is in the reward)
-    "reinforce_pp_baseline": {"algo": {"adv_estimator": "return", "adv_mean": "group_batch", "adv_std": "batch",
-                                       "adv_leave_one_out": False, "loss_agg": "token_mean", "kl_mode": "reward",
-                                       "kl_estimator": "k1", "kl_coef": 0.001}},
-    # GSPO: sequence-level ratio (geometric mean over tokens), tiny sequence clip, sequence-mean loss;
-    # two minibatches per batch so the second update is off-policy and the clip matters
-    "gspo": {"algo": {"adv_mean": "group", "adv_std": "group", "adv_leave_one_out": False,
-                      "ratio_level": "sequence", "clip_low": 3e-4, "clip_high": 4e-4,
-                      "loss_agg": "seq_mean_token_mean"},
-             "train": {"minibatches": 2}},
-    # DAPO: clip-higher, token-level loss, soft overlong punishment, dynamic sampling (mixed groups only)
-    "dapo": {"algo": {"adv_mean": "group", "adv_std": "group", "adv_leave_one_out": False, "clip_low": 0.2,
-                      "clip_high": 0.28, "loss_agg": "token_mean", "overlong_buffer": _dapo_overlong_buffer,
-                      "overlong_penalty": 1.0},
-             "scheduler": {"group_filter": "mixed"}},
-    # PPO: critic + GAE, advantages whitened over the batch's tokens, KL (if kl_coef > 0) in the reward
-    "ppo": {"algo": {"adv_estimator": "gae", "gamma": 1.0, "lam": 0.95, "adv_mean": "batch", "adv_std": "batch",
-                     "adv_leave_one_out": False, "loss_agg": "token_mean", "clip_low": 0.2, "clip_high": 0.2,
-                     "kl_mode": "reward", "kl_estimator": "k1", "value_clip": 0.2},
-            "train": {"minibatches": 2}},
-}
-PresetName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "dapo", "ppo",
-                     "custom"]
 
 
 @dataclass
@@ -186,7 +132,7 @@ class EngineConfig:
 
 @dataclass
 class SamplingConfig:
-    max_new_tokens: int = 128  # tokens generated per engine call (per turn for multi-turn agents)
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # tokens generated per engine call (per turn for multi-turn agents)
     temperature: float = 1.0  # sampling temperature; trainer logprobs use the same one; 0: greedy
     top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this much probability (1: off)
     top_k: int = 0  # sample among the k most likely tokens (0: off)
@@ -523,7 +469,7 @@ def expand_presets(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_steps(data: dict[str, Any]) -> int | None:
-    steps = _get_int(data, "run", "steps", RunConfig.steps)
+    steps = int_at(data, "run", "steps", RunConfig.steps)
     return steps if steps is not None and steps >= 1 else None  # a bad run.steps is reported at its own key
 
 
@@ -531,7 +477,7 @@ def _off_policy(data: dict[str, Any]) -> bool:
     """Async with room to run ahead: trained samples may come from older policies."""
     part = data.get("scheduler")
     mode = part.get("mode", SchedulerConfig.mode) if isinstance(part, dict) else SchedulerConfig.mode
-    return mode == "async" and _get_int(data, "scheduler", "max_staleness", SchedulerConfig.max_staleness) != 0
+    return mode == "async" and int_at(data, "scheduler", "max_staleness", SchedulerConfig.max_staleness) != 0
 
 
 # defaults that depend on other keys: the LR schedule spans the run unless told otherwise; off-policy (async)

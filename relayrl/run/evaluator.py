@@ -54,7 +54,8 @@ def rollout_metrics(samples: list[Sample], prefix: str = "rollout") -> dict[str,
         f"{prefix}/truncated_frac": statistics.fmean(s.finish_reason == "length" for s in samples),
         f"{prefix}/groups_mixed_frac": statistics.fmean(mixed),
         f"{prefix}/samples": float(len(samples)),
-        f"{prefix}/generated_tokens": float(sum(s.num_trained_tokens for s in samples)),
+        # every engine-made token, trained or not (an agent may keep some turns out of the loss)
+        f"{prefix}/generated_tokens": float(sum(t.end - t.start for s in samples for t in s.turns)),
     }
     metric_keys = {k for s in samples for k in s.metrics} - {"reward", "correct"}
     for k in sorted(metric_keys):

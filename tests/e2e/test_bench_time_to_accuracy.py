@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,6 +73,29 @@ def test_quick_run_stops_each_side_at_the_target(tmp_path):
     assert r["metrics"]["sync"]["interrupted"] is True  # 500 steps asked: the run was stopped, not finished
     assert r["metrics"]["trl"]["optimizer_steps"] == 0
     assert r["ratios"]["relayrl_vs_trl_time_to_acc_kind"] == "undetermined"  # both at the target before training
+
+
+@pytest.mark.slow
+def test_a_run_killed_between_sides_keeps_the_sides_it_finished(tmp_path):
+    """The result is written after each side (temp file + rename): killed while TRL runs, the file holds the
+    finished relayrl side, marked incomplete, and parses."""
+    pytest.importorskip("trl")
+    out = tmp_path / "tta.json"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--quick", "--sides", "sync,trl", "--out", str(out),
+                             "--plot", str(tmp_path / "tta.png")], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be cut short"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    r = json.loads(out.read_text())
+    assert r["complete"] is False and r["sides_done"] == ["sync"] and set(r["metrics"]) == {"sync"}
+    assert [p["step"] for p in r["metrics"]["sync"]["curve"]] == [0, 1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tta.json"]  # no temp file left, no plot yet
 
 
 def side(time_s: float | None, total_s: float, samples: int | None = None, trained: int = 64) -> dict:

@@ -227,3 +227,45 @@ def test_retries_and_repeats_are_counted_turn_by_turn(parts):
     assert metrics["eval/retry_repeat_rate"] == pytest.approx(sum(s.metrics["repeats"] for s in samples) / retries)
     train_side = rollout_metrics(samples)  # the same per step of training, for the curves
     assert train_side["rollout/recovered_at_turn_2"] == metrics["eval/recovered_at_turn_2"]
+
+
+def test_retries_only_keeps_the_first_answer_out_of_the_loss(parts):
+    """train_turns="retries": the first turn stays in the sequence (what the engine saw next is unchanged) but
+    only the retries' tokens are trained; a sample solved at turn 1 has nothing to train and the controller
+    leaves it out of the step; the retries get the advantages of the turn-by-turn baseline."""
+    tok, model, engine, judge = parts
+    ctl = RecordingController([engine])
+    kw = dict(max_turns=3, feedback="Wrong, try again.", discount_mode="per_turn")
+    agent = ReflectionAgent(ctl, tok, SamplingParams(max_new_tokens=10, temperature=1.0), judge,
+                            train_turns="retries", **kw)
+    prompt = tok(tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=False,
+                                         add_generation_prompt=True))["input_ids"]
+    samples = run(agent, [Sample(prompt_ids=list(prompt), group_id="g", index=i) for i in range(12)])
+    assert any(len(s.turns) == 1 for s in samples) and any(len(s.turns) > 1 for s in samples)
+    for s in samples:
+        first = s.turns[0]
+        assert s.loss_mask[first.start: first.end] == [0] * (first.end - first.start)
+        assert s.num_trained_tokens == sum(t.end - t.start for t in s.turns[1:])
+        for t in s.turns[1:]:
+            assert s.loss_mask[t.start: t.end] == [1] * (t.end - t.start)
+        for (seen, out), t in zip(ctl.calls[s.uid], s.turns):  # the trajectory itself is the usual one
+            assert s.response_ids[t.start: t.end] == out.output_ids and seen == s.input_ids[: len(seen)]
+    assert Evaluator().evaluate(samples)["eval/generated_tokens"] == sum(
+        t.end - t.start for s in samples for t in s.turns)
+    with pytest.raises(ValueError, match="agent.kwargs.train_turns"):
+        ReflectionAgent(RolloutController([engine]), tok, SamplingParams(), judge, train_turns="last")
+
+    # by hand: returns (turn 1 masked) -> only second-and-later turns are trained, each against its own turn index
+    hand = _turn_samples([[0.0, 1.0], [1.0], [-1.0, -1.0], [0.5, 0.0, -1.0]])
+    for s in hand:
+        s.mask_turn(0)
+    train = TrainController(TrainEngine(copy.deepcopy(model)), AlgoConfig(adv_std="none"), TrainConfig(), pad_id=0,
+                            max_new_tokens=8)
+    kept, _ = train.drop_small_groups([s for s in hand if s.num_trained_tokens > 0])
+    assert [s.index for s in kept] == [0, 2, 3]  # solved at turn 1: nothing to train
+    batch = train.compute_advantages(Packer(4096, 0).pack(kept))
+    adv = [a.tolist() for a in batch.per_token["advantages"]]
+    m2 = (1.0 - 1.0 + 0.0) / 3  # second turns of the kept samples
+    assert adv == [pytest.approx([1 - m2] * 2), pytest.approx([-1 - m2] * 2),
+                   pytest.approx([0 - m2] * 2 + [0.0] * 2)]  # the only third turn is its own baseline
+    assert torch.cat(batch.per_token["behav_logp"]).numel() == 8

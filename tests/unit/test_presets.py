@@ -14,7 +14,8 @@ import torch
 import yaml
 
 from relayrl.config import ConfigError, dump_yaml, to_dict
-from relayrl.config.schema import PRESETS, AlgoConfig, load_run_config
+from relayrl.config.presets import PRESETS
+from relayrl.config.schema import AlgoConfig, load_run_config
 from relayrl.models import load_model
 from relayrl.sample import Sample
 from relayrl.trainer.algo import reduce_stats

@@ -3,6 +3,9 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from relayrl.common.utils import close_all
 
@@ -54,3 +57,45 @@ def test_tune_allocator_keeps_every_thread_on_one_malloc_arena():
     # came from such heaps (docs/benchmarks.md)
     assert _arenas({"RELAYRL_MALLOC_ARENAS": "0"}) > 1  # glibc's default: the probe does make arenas
     assert _arenas({}) == 1
+
+
+THP_PROBE = """
+import os, sys
+from relayrl.common.utils import tune_allocator
+tune_allocator()
+import torch
+x = torch.empty(16 << 20, dtype=torch.uint8)
+x.fill_(1)
+addr = x.data_ptr()
+huge = 0
+with open("/proc/self/smaps") as f:
+    inside = False
+    for line in f:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "AnonHugePages:":
+            huge = int(line.split()[1])
+print(os.environ.get("THP_MEM_ALLOC_ENABLE", "unset"), huge)
+"""
+
+
+def _thp_probe(env: dict) -> tuple[str, int]:
+    env = {k: v for k, v in os.environ.items() if k not in ("THP_MEM_ALLOC_ENABLE", "RELAYRL_MMAP_THRESHOLD")} | env
+    out = subprocess.run([sys.executable, "-c", THP_PROBE], env=env, capture_output=True, text=True, check=True)
+    flag, kb = out.stdout.split()
+    return flag, int(kb)
+
+
+def test_a_fixed_mmap_threshold_brings_huge_pages_for_torch_tensors():
+    """RELAYRL_MMAP_THRESHOLD maps every large block on its own; each fresh 4 KB page would fault, so torch is
+    asked for transparent huge pages on its tensors (checked in the kernel's own account of the mapping)."""
+    assert _thp_probe({})[0] == "unset"  # the default: glibc's dynamic threshold, no huge pages asked for
+    flag, huge_kb = _thp_probe({"RELAYRL_MMAP_THRESHOLD": str(1 << 20)})
+    assert flag == "1"
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if "[never]" in (thp.read_text() if thp.exists() else "[never]"):
+        pytest.skip("transparent huge pages are off on this kernel ([never]): nothing to measure")
+    assert huge_kb >= 2048  # the 16 MB tensor sits (at least partly) on 2 MB pages
+    assert _thp_probe({"RELAYRL_MMAP_THRESHOLD": str(1 << 20), "THP_MEM_ALLOC_ENABLE": "0"})[0] == "0"  # user wins
