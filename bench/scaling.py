@@ -47,17 +47,15 @@ import argparse
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import _common
+from _scaling_child import GB, MemGuard, meminfo, run_child
 
-GB = 1e9
 SERIES = {"default": [], "gradient_checkpointing": ["model.gradient_checkpointing=true"]}
 MALLOC_VARIANTS = {  # name -> (environment, child option)
     "MALLOC_ARENA_MAX=2": ({"MALLOC_ARENA_MAX": "2"}, {}),
@@ -147,16 +145,7 @@ def size_table(quick: bool) -> dict[str, tuple[dict, str]]:
     return QUICK_SIZES if quick else SIZES
 
 
-# ---- machine memory -----------------------------------------------------------------------------------------
-def meminfo() -> dict[str, int]:
-    out = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
+# ---- the model sizes ------------------------------------------------------------------------------------------
 def count_params(hf_config: dict) -> int:
     """Parameters of the model a config describes (built on the meta device: no memory, no time)."""
     import torch
@@ -186,208 +175,6 @@ def memory_estimate(hf_config: dict, params: int, shape: dict, micro_batch_token
              "activations": tokens * 4 * h * layers + per_layer if checkpointing else per_layer * layers}
     return {"total": sum(parts.values()), **parts}
 
-
-# ---- one run, in its own process ----------------------------------------------------------------------------
-class MemGuard:
-    """Ends this process before the machine runs out of memory (it is shared: the OOM killer could pick another
-    process): exit code 3 when MemAvailable drops under `floor` bytes."""
-
-    EXIT = 3
-
-    def __init__(self, floor: float, interval: float = 0.05):
-        self.floor, self.interval = floor, interval
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            avail = meminfo()["MemAvailable"]
-            if avail < self.floor:
-                print(f"MemGuard: MemAvailable {avail / GB:.2f} GB < {self.floor / GB:.2f} GB, stopping this run",
-                      file=sys.stderr, flush=True)
-                os._exit(self.EXIT)
-            time.sleep(self.interval)
-
-
-def _random_load_model(path, dtype="float32", device=None):
-    """relayrl.models.load_model for a folder with only config.json: the same model class, random weights."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from relayrl.models import DTYPES
-
-    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    return model.to(device or "cpu").eval()
-
-
-def malloc_trim() -> None:
-    import ctypes
-
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def run_child(spec: dict) -> dict:
-    from memory import PhaseSampler, rss_bytes
-
-    MemGuard(spec["guard_gb"] * GB)
-    runtime0 = rss_bytes()
-    sampler = PhaseSampler(interval=0.01)
-    import random
-
-    import torch
-    from transformers import AutoConfig
-
-    import relayrl.engine.local
-    import relayrl.run.build
-    import relayrl.trainer.engine
-    from relayrl.common.utils import release_openmp_threads
-    from relayrl.config.schema import load_run_config
-    from relayrl.engine.base import SamplingParams
-    from relayrl.engine.rollout import RolloutController
-    from relayrl.run.build import _train_controller, make_engines, resolve_precision, shares_weights
-    from relayrl.sample import Sample
-    from relayrl.trainer.logprobs import CHUNK_BYTES
-
-    runtime = max(runtime0, rss_bytes())
-    for module in (relayrl.run.build, relayrl.trainer.engine, relayrl.engine.local):  # random weights, real classes
-        module.load_model = _random_load_model
-    trim = malloc_trim if spec.get("malloc_trim") else (lambda: None)
-    shape = spec["shape"]
-    with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:
-        model_dir = Path(tmp) / "model"
-        AutoConfig.for_model(**spec["hf_config"]).save_pretrained(model_dir)
-        over = [f"model.path={model_dir}", f"sampling.max_new_tokens={shape['new_tokens']}",
-                f"data.group_size={max(2, shape['group'])}", f"data.batch_size={shape['prompts']}",
-                f"run.output_dir={tmp}", *spec["overrides"]]
-        cfg = resolve_precision(load_run_config(None, over))
-        if cfg.run.threads:  # as relayrl.run.build.build does
-            torch.set_num_threads(cfg.run.threads)
-        sampler.phase = "build"
-        t0 = time.perf_counter()
-        pad_id = spec["hf_config"]["pad_token_id"]
-        train_ctl = _train_controller(cfg, str(model_dir), pad_id)
-        shared = train_ctl.engine.model if shares_weights(cfg) else None
-        engines = make_engines(cfg, str(model_dir), [spec["hf_config"]["eos_token_id"]], Path(tmp), [],
-                               shared_model=shared)
-        rollout_ctl = RolloutController(engines, partial_rollout=cfg.scheduler.partial_rollout)
-        train_ctl.sync_weights(rollout_ctl)  # the engine samples from the trainer's weights, as after a load
-        build_s = time.perf_counter() - t0
-        engine, trainer = engines[0], train_ctl.engine
-        after_build = rss_bytes()
-
-        act = {"bytes": 0, "weight_copies": 0}
-        plain_micro = trainer._micro_step
-        w_shapes = {tuple(p.shape) for p in trainer.model.parameters() if p.dim() == 2}
-        w_shapes |= {s[::-1] for s in w_shapes}
-
-        def micro_step(mb, *rest):  # bench/memory.py's saved-tensors count, split into weight copies and the rest
-            seen: dict[int, tuple[int, bool]] = {}
-
-            def pack(t):
-                if not isinstance(t, torch.nn.Parameter) and t.device.type == "cpu":
-                    st = t.untyped_storage()
-                    copy = t.dtype != torch.float32 and tuple(t.shape) in w_shapes
-                    seen[st.data_ptr()] = (st.nbytes(), copy)
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = plain_micro(mb, *rest)
-            act["bytes"] = max(act["bytes"], sum(n for n, _ in seen.values()))
-            act["weight_copies"] = max(act["weight_copies"], sum(n for n, c in seen.values() if c))
-            return out
-
-        trainer._micro_step = micro_step
-        rng = random.Random(0)
-        vocab = spec["hf_config"]["vocab_size"]
-        params = SamplingParams(max_new_tokens=shape["new_tokens"], temperature=cfg.sampling.temperature,
-                                ignore_eos=True)
-        steps, kv = [], 0
-        for step in range(1, spec["steps"] + 1):
-            prompts = [[rng.randrange(3, vocab) for _ in range(shape["prompt_len"])] for _ in range(shape["prompts"])]
-            sampler.phase = "rollout"
-            release_openmp_threads()  # this thread waits while the engine's worker decodes (as Env.run does)
-            t0 = time.perf_counter()
-            outs = engine.generate([p for p in prompts for _ in range(shape["group"])], params)
-            rollout_s = time.perf_counter() - t0
-            kv = max(kv, engine.cache.nbytes())
-            samples = []
-            for k, out in enumerate(outs):
-                s = Sample(prompt_ids=prompts[k // shape["group"]], group_id=f"s{step}p{k // shape['group']}",
-                           index=k % shape["group"])
-                s.append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason)
-                s.reward = float(rng.random() < 0.5)
-                samples.append(s)
-            rss_end_rollout = rss_bytes()
-            sampler.phase = "train"
-            t0 = time.perf_counter()
-            released = rollout_ctl.release_memory(weights=not cfg.model.lora_rank) \
-                if cfg.engine.release_during_train else 0
-            trim()
-            rss_released = rss_bytes()
-            m = train_ctl.fit(samples)
-            train_s = time.perf_counter() - t0
-            rss_end_train = rss_bytes()
-            trim()
-            sampler.phase = "weight_sync"
-            t0 = time.perf_counter()
-            train_ctl.sync_weights(rollout_ctl)
-            sync_s = time.perf_counter() - t0
-            trim()
-            tokens = sum(len(s.input_ids) for s in samples)
-            generated = sum(len(s.response_ids) for s in samples)
-            steps.append({"rollout_s": rollout_s, "train_s": train_s, "weight_sync_s": sync_s,
-                          "step_s": rollout_s + train_s + sync_s, "tokens": tokens, "generated_tokens": generated,
-                          "released_gb": released / GB, "rss_end_rollout_gb": rss_end_rollout / GB,
-                          "rss_after_release_gb": rss_released / GB, "rss_end_train_gb": rss_end_train / GB,
-                          "rss_after_sync_gb": rss_bytes() / GB, "loss": m.get("train/loss")})
-            print(f"  step {step}: rollout {rollout_s:.1f}s, train {train_s:.1f}s, sync {sync_s:.2f}s, "
-                  f"rss {rss_bytes() / GB:.2f} GB", file=sys.stderr, flush=True)
-        mbs = train_ctl.packer.pack(samples).micro_batches
-        engine.close()
-    peaks = sampler.stop()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    model_params = list(trainer.model.parameters())
-    n_params = sum(p.numel() for p in model_params)
-    trainable = [p for p in model_params if p.requires_grad]
-    weight_bytes = sum(p.numel() * p.element_size() for p in model_params)
-    opt = sum(t.numel() * t.element_size() for s in trainer.optimizer.state.values() for t in s.values()
-              if torch.is_tensor(t))
-    engine_w = sum(p.numel() * p.element_size() for p in engine.model.parameters()) if engine.owns_weights else 0
-    if engine.owns_weights and not engine_w:  # released and not restored: count what the sync restores
-        engine_w = sum(p.numel() * torch.finfo(p.dtype).bits // 8 for p in engine.model.parameters())
-    parts = {"runtime": runtime, "weights": weight_bytes,
-             "grads": sum(p.numel() * p.element_size() for p in trainable), "optimizer": opt,
-             "activations": act["bytes"], "autocast_weight_copies": act["weight_copies"],
-             "logits_chunk": 3 * min(CHUNK_BYTES, 4 * vocab * 4096), "engine_weights": engine_w, "kv_cache": kv}
-    # the training phase holds the trainer's weights, gradients, optimizer state and one micro-batch's
-    # activations (the bf16 weight copies are part of those) at once; the engine gave its memory back
-    expected_train = sum(parts[k] for k in ("runtime", "weights", "grads", "optimizer", "activations",
-                                            "logits_chunk"))
-    floor = 16 * n_params
-    last = steps[-1]
-    return {"params": n_params, "floor_gb": floor / GB, "peak_rss_gb": peak / GB, "peak_over_floor": peak / floor,
-            "rollout_s": last["rollout_s"], "train_s": last["train_s"], "weight_sync_s": last["weight_sync_s"],
-            "step_s": last["step_s"], "tokens_per_step": last["tokens"],
-            "tokens_per_s": last["tokens"] / last["step_s"], "generated_tokens_per_s":
-                last["generated_tokens"] / last["rollout_s"], "train_tokens_per_s": last["tokens"] / last["train_s"],
-            "build_s": build_s, "rss_after_build_gb": after_build / GB,
-            "parts_gb": {k: v / GB for k, v in parts.items()},
-            "expected_train_peak_gb": expected_train / GB,
-            "unexplained_gb": (peak - expected_train) / GB,
-            "phase_peak_rss_gb": peaks, "steps": steps,
-            "micro_batches": [{"rows": mb.input_ids.shape[0], "width": mb.input_ids.shape[1],
-                               "trained_tokens": mb.num_tokens} for mb in mbs],
-            "settings": {"engine_dtype": cfg.engine.dtype, "train_dtype": cfg.model.train_dtype,
-                         "autocast_bf16": cfg.model.autocast_bf16, "shared_weights": not engine.owns_weights,
-                         "release_during_train": cfg.engine.release_during_train,
-                         "micro_batch_tokens": cfg.train.micro_batch_tokens,
-                         "gradient_checkpointing": cfg.model.gradient_checkpointing,
-                         "attention": engine.attention, "threads": torch.get_num_threads(),
-                         "malloc_trim": bool(spec.get("malloc_trim")),
-                         "malloc_env": {k: v for k, v in os.environ.items()
-                                        if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE")}}}
 
 # ---- the parent: plan, run, summarize ---------------------------------------------------------------------------
 def run_spec(a, spec: dict, env_extra: dict | None = None) -> dict:
