@@ -9,6 +9,7 @@ weights, and asks it to evaluate; a checkpoint pauses it and stores its `state_d
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -23,6 +24,8 @@ from relayrl.run.env import Env
 from relayrl.run.evaluator import Evaluator
 from relayrl.sample import Sample
 from relayrl.scheduler import AsyncScheduler
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutSource(Protocol):
@@ -116,6 +119,13 @@ class InProcessRollouts:
         metrics = self.evaluator.evaluate(self.eval_data.get_batch())
         self._release(weights=False)  # the KV cache idles until the next rollout: not held through a checkpoint
         # failed (raised or timed out: agent.timeout) and rejected samples are not in the eval means: counted here
+        if failed := int(stats["rollout/failed"]):
+            # what fails is not a random subset (slow, long answers time out first, and they are mostly wrong):
+            # seen once on a CPU shared with a test suite, 524 failures and 83% over the 248 survivors, where the
+            # same evaluation on the idle machine had none and 32%
+            logger.warning("eval: %d samples failed or timed out (agent.timeout=%s s); the pass rates are over the "
+                           "%d that finished and lean toward fast answers", failed, self.cfg.agent.timeout,
+                           int(metrics.get("eval/samples", 0)))
         return metrics | {"eval/rejected": stats.get("judge/rejected", 0.0), "eval/failed": stats["rollout/failed"]}
 
     @contextlib.contextmanager

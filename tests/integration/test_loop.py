@@ -60,7 +60,7 @@ def test_two_training_steps_on_tiny_model(tiny_path, dataset, tmp_path):
     assert png.stat().st_size > 5000
 
 
-def test_failing_and_hanging_agents_cost_one_sample_each(tiny_path, dataset, tmp_path):
+def test_failing_and_hanging_agents_cost_one_sample_each(tiny_path, dataset, tmp_path, caplog):
     cfg = load_run_config(None, overrides(tiny_path, dataset, tmp_path, **{
         "agent.kind": "agents_for_tests:FlakyAgent", "agent.timeout": 1.0, "run.steps": 1, "eval.at_start": False,
         "eval.n": 3}))
@@ -75,6 +75,8 @@ def test_failing_and_hanging_agents_cost_one_sample_each(tiny_path, dataset, tmp
     assert row["rollout/failed"] == 4  # 2 groups x (one raising + one hanging sample)
     assert row["rollout/samples"] == 4 and row["train/samples"] == 4
     assert final["eval/failed"] == 6 and final["eval/samples"] == 3  # eval: 3 prompts x 3, two of each fail
+    # and the user is told that the pass rates leave the failures out
+    assert "eval: 6 samples failed or timed out (agent.timeout=1.0 s); the pass rates are over the 3" in caplog.text
 
 
 def test_cli_train_runs_and_writes_a_run(tiny_path, dataset, tmp_path):
