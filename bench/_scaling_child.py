@@ -191,7 +191,7 @@ def _parts(trainer, engine, runtime: int, act: dict, kv: int, vocab: int) -> dic
     """Bytes per part: what the training phase holds, and what the engine held before it gave it back."""
     import torch
 
-    from relayrl.trainer.logprobs import CHUNK_BYTES
+    from relayrl.trainer.logprobs import working_bytes
 
     model_params = list(trainer.model.parameters())
     opt = sum(t.numel() * t.element_size() for s in trainer.optimizer.state.values() for t in s.values()
@@ -202,7 +202,7 @@ def _parts(trainer, engine, runtime: int, act: dict, kv: int, vocab: int) -> dic
     return {"runtime": runtime, "weights": sum(p.numel() * p.element_size() for p in model_params),
             "grads": sum(p.numel() * p.element_size() for p in model_params if p.requires_grad), "optimizer": opt,
             "activations": act["bytes"], "autocast_weight_copies": act["weight_copies"],
-            "logits_chunk": 3 * min(CHUNK_BYTES, 4 * vocab * 4096), "engine_weights": engine_w, "kv_cache": kv}
+            "logits_chunk": working_bytes(vocab), "engine_weights": engine_w, "kv_cache": kv}
 
 
 def _settings(spec: dict, cfg, engine) -> dict:

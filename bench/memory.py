@@ -117,7 +117,7 @@ def run_relayrl(a) -> dict:
     from relayrl.config.schema import load_run_config
     from relayrl.run.build import build
     from relayrl.run.evaluator import rollout_metrics
-    from relayrl.trainer.logprobs import CHUNK_BYTES
+    from relayrl.trainer.logprobs import working_bytes
 
     runtime = max(runtime, rss_bytes())
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
@@ -164,7 +164,7 @@ def run_relayrl(a) -> dict:
     vocab = engine.model.get_output_embeddings().weight.shape[0]
     parts = {"runtime": runtime, "weights": sum(p.numel() * p.element_size() for p in params),
              "grads": sum(p.numel() * 4 for p in trainable), "optimizer": opt, "engine_weights": engine_w,
-             "kv_cache": kv, "activations": act["bytes"], "logits": 3 * min(CHUNK_BYTES, 4 * vocab * 4096)}
+             "kv_cache": kv, "activations": act["bytes"], "logits": working_bytes(vocab)}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     floor = 16 * n_params
     return {"peak_rss_gb": round(peak / GB, 3), "floor_gb": round(floor / GB, 3),

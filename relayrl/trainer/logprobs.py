@@ -25,6 +25,12 @@ def chunk_rows(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab))
 
 
+def working_bytes(vocab: int, rows: int = 4096, entropy_grad: bool = False) -> int:
+    """The head's peak working memory beyond its outputs and gradients (tested): one fp32 chunk or block of
+    logits, two when the entropy is differentiated. For the benches' memory breakdowns."""
+    return (2 if entropy_grad else 1) * min(CHUNK_BYTES, 4 * vocab * rows)
+
+
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                    temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False,
                    chunk_bytes: int = CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -58,8 +64,10 @@ def _forward(hidden, weight, targets, inv_t, rows, with_entropy):
         z = _chunk_logits(hidden[s: s + rows], weight, inv_t)
         lse = lse_all[s: s + rows] = torch.logsumexp(z, dim=-1)
         logp[s: s + rows] = z.gather(-1, targets[s: s + rows, None]).squeeze(-1) - lse
-        if entropy is not None:  # H = lse - sum p z, with p = exp(z - lse) computed in place
-            entropy[s: s + rows] = lse - (z.sub(lse[:, None]).exp_() * z).sum(-1)
+        if entropy is not None:  # H = -sum p lp: lp in z's buffer, p * lp in p's (two chunk buffers, not three)
+            lp = z.sub_(lse[:, None])
+            entropy[s: s + rows] = lp.exp().mul_(lp).sum(-1).neg_()
+        del z  # before the next chunk's logits exist
     return logp, entropy, lse_all
 
 
@@ -106,19 +114,24 @@ def _backward(ctx, grad_logp, grad_entropy):
             grad_hidden += dz @ block
         if grad_weight is not None:
             grad_weight[v0: v0 + ctx.cols] = dz.t() @ hidden
+        del dz  # else it lives on while the next block is computed: two blocks instead of one
     return (None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None)
 
 
 def _block_grad_logits(hidden, block, v0, targets, lse, inv_t, grad_logp, ent):
-    """d loss / d logits [rows, block] in fp32: g_lp * (onehot - p) [- g_H * p * (lp + H)], / T."""
+    """d loss / d logits [rows, block] in fp32: g_lp * onehot - p * (g_lp [+ g_H * (lp + H)]), / T.
+
+    Computed in place: one block-sized buffer without the entropy's gradient, two with it (the block's logits
+    and their gradient are the head's whole working memory in backward)."""
     lp = _chunk_logits(hidden, block, inv_t).sub_(lse[:, None])
-    p = lp.exp()
     g = grad_logp[:, None]
-    dz = p.mul(-g)
+    if ent is None:
+        dz = lp.exp_().mul_(g).neg_()
+    else:
+        entropy, g_ent = ent
+        dz = lp.exp()
+        dz.mul_(lp.add_(entropy[:, None]).mul_(g_ent[:, None]).add_(g)).neg_()
     inside = ((targets >= v0) & (targets < v0 + block.shape[0])).nonzero().squeeze(-1)
     dz[inside, targets[inside] - v0] += grad_logp[inside]
-    if ent is not None:
-        entropy, g_ent = ent
-        dz.sub_(p.mul_(lp.add_(entropy[:, None])).mul_(g_ent[:, None]))
     return dz.mul_(inv_t) if inv_t != 1.0 else dz

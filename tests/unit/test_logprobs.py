@@ -1,7 +1,11 @@
 """Chunked LM-head log-probabilities: equal to the plain [tokens x vocab] computation, values and gradients."""
 
+import weakref
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from relayrl.models import load_model
 from relayrl.sample import Sample
@@ -73,6 +77,51 @@ def test_bf16_autocast_matches_the_plain_autocast_computation():
     assert gw.dtype == torch.float32 and gh.dtype == torch.float32
     assert (logp - ref).abs().max() < 1e-3  # same bf16 matmul; fp32 softmax on both sides
     assert (gh - rh).abs().max() < 2e-2 and (gw - rw).abs().max() < 2e-2
+
+
+class _PeakBytes(TorchDispatchMode):
+    """Peak bytes of the storages that ops create while the mode is on and that are still alive (CPU torch has
+    no allocator statistics; this counts what the code asks for, which is what the chunking controls)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self._seen = 0, 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}  # views and in-place results are not new memory
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and (key := t.untyped_storage().data_ptr()) not in self._seen | inputs:
+                self._seen.add(key)
+                self.live += t.untyped_storage().nbytes()
+                weakref.finalize(t, self._free, key, t.untyped_storage().nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
+
+    def _free(self, key, nbytes):
+        self._seen.discard(key)
+        self.live -= nbytes
+
+
+@pytest.mark.parametrize("entropy_grad,blocks", [(False, 1), (True, 2)])
+def test_head_working_memory_is_one_block_or_two_with_the_entropy_gradient(entropy_grad, blocks):
+    """Backward's working memory beyond the two gradients is one block of recomputed logits (two when the
+    entropy is differentiated), not the three (logits, softmax, gradient) a plain formula keeps."""
+    n, h, v = 64, 8, 4096
+    hidden, weight, targets = _inputs(n=n, h=h, v=v)
+    block = 128 * 1024  # chunk_bytes: 8 rows x 4096 in forward, 64 rows x 512 columns in backward
+    logp, ent = token_logprobs(hidden, weight, targets, with_entropy=True, entropy_grad=entropy_grad,
+                               chunk_bytes=block)
+    loss = logp.sum() + (ent.sum() if entropy_grad else 0.0)
+    with _PeakBytes() as mode:
+        gh, gw = torch.autograd.grad(loss, [hidden, weight])
+    grads = gh.nbytes + gw.nbytes
+    assert mode.peak - grads <= blocks * block + block // 4, (mode.peak - grads) / block
+    for with_entropy, chunks in [(False, 1), (True, 2)]:  # forward: the logits, and p * lp for the entropy
+        with torch.no_grad(), _PeakBytes() as mode:
+            token_logprobs(hidden, weight, targets, with_entropy=with_entropy, chunk_bytes=block)
+        assert mode.peak <= chunks * block + block // 4, (with_entropy, mode.peak / block)
 
 
 def test_train_engine_logprobs_equal_the_unchunked_lm_head(tiny_path):
