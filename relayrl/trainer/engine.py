@@ -23,7 +23,7 @@ from relayrl.common.device import model_device
 from relayrl.common.utils import trim_memory
 from relayrl.models import load_model
 from relayrl.trainer.algo import reduce_stats
-from relayrl.trainer.logprobs import token_logprobs
+from relayrl.trainer.logprobs import token_logprobs, weight_grad_into_param
 from relayrl.trainer.lora import adapter_tensors, is_lora
 from relayrl.trainer.lora import wrap as wrap_lora
 from relayrl.trainer.optim import adamw
@@ -129,7 +129,8 @@ class TrainEngine:
         lengths leave holes the next one cannot reuse, so resident memory crept up 0.2-0.5 GB per micro-batch. Trimmed,
         the README job's training peak fell from 3.09 to 2.78 GB at the same step time (bench/train_memory_trace.py)."""
         on_cpu = self.device.type == "cpu"  # a GPU's activations are not in the host heap
-        logp, entropy = self.logprobs(mb, with_entropy, entropy_grad)
+        with weight_grad_into_param():  # loss.backward() below: the head may write weight.grad itself
+            logp, entropy = self.logprobs(mb, with_entropy, entropy_grad)
         loss, mb_stats = loss_fn(mb, logp, entropy)
         if on_cpu:
             trim_memory()

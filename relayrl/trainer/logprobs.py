@@ -16,7 +16,11 @@ plain `lm_head(hidden)` would; softmax arithmetic is always fp32.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
+import torch.distributed as dist
 
 CHUNK_BYTES = 32 * 2**20  # fp32 bytes of one chunk's logits: ~170 rows of a 49k vocabulary
 
@@ -29,6 +33,35 @@ def working_bytes(vocab: int, rows: int = 4096, entropy_grad: bool = False) -> i
     """The head's peak working memory beyond its outputs and gradients (tested): one fp32 chunk or block of
     logits, two when the entropy is differentiated. For the benches' memory breakdowns."""
     return (2 if entropy_grad else 1) * min(CHUNK_BYTES, 4 * vocab * rows)
+
+
+_INTO_GRAD: contextvars.ContextVar[bool] = contextvars.ContextVar("relayrl_head_grad_into_param", default=False)
+
+
+@contextlib.contextmanager
+def weight_grad_into_param():
+    """Inside, the head's backward adds its weight gradient block by block straight into `weight.grad`, for code
+    that calls `loss.backward()` (never `torch.autograd.grad`, which would then get no weight gradient).
+
+    Why: autograd hands a leaf its gradient only when every use of it has sent one. A tied LM head's weight is
+    also the input embedding, used first in forward and so reached last in backward: the head's whole
+    [vocab x hidden] gradient (113 MB at SmolLM2-135M) waited in autograd's buffer through the backward of every
+    layer, the step's peak: bench/scaling.py's 135M step peaked at 3.27 GB before, 3.15 GB after (1.47x the
+    16 bytes/param floor; docs/benchmarks.md)."""
+    token = _INTO_GRAD.set(True)
+    try:
+        yield
+    finally:
+        _INTO_GRAD.reset(token)
+
+
+def _grad_target(weight: torch.Tensor) -> torch.Tensor | None:
+    """The parameter whose .grad the head's backward may write itself: a plain leaf with no gradient hooks, in a
+    single process (FSDP and DDP reduce gradients as autograd delivers them), inside weight_grad_into_param."""
+    hooked = weight._backward_hooks or getattr(weight, "_post_accumulate_grad_hooks", None)
+    if not _INTO_GRAD.get() or not weight.is_leaf or not weight.requires_grad or hooked:
+        return None
+    return None if dist.is_available() and dist.is_initialized() else weight
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
@@ -80,6 +113,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if entropy is None:
             entropy = logp.new_zeros(0)
         ctx.save_for_backward(hidden, weight, targets, entropy, lse)
+        ctx.grad_target = _grad_target(weight)
         # backward walks the vocabulary in blocks of columns, as many as `rows` full rows would hold
         ctx.inv_t, ctx.cols, ctx.entropy_grad = inv_t, max(1, rows * weight.shape[0] // max(1, hidden.shape[0])), \
             with_entropy and entropy_grad
@@ -102,8 +136,11 @@ def _backward(ctx, grad_logp, grad_entropy):
     ent = (entropy, grad_entropy) if ctx.entropy_grad and grad_entropy is not None else None
     grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) \
         if ctx.needs_input_grad[0] else None
+    target = ctx.grad_target if ctx.needs_input_grad[1] else None
+    if target is not None and target.grad is None:
+        target.grad = torch.zeros_like(target)
     grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) \
-        if ctx.needs_input_grad[1] else None
+        if ctx.needs_input_grad[1] and target is None else None
     autocast = torch.is_autocast_enabled(hidden.device.type)
     for v0 in range(0, weight.shape[0], ctx.cols):
         block = weight[v0: v0 + ctx.cols]
@@ -114,6 +151,8 @@ def _backward(ctx, grad_logp, grad_entropy):
             grad_hidden += dz @ block
         if grad_weight is not None:
             grad_weight[v0: v0 + ctx.cols] = dz.t() @ hidden
+        elif target is not None:
+            target.grad[v0: v0 + ctx.cols].add_(dz.t() @ hidden)
         del dz  # else it lives on while the next block is computed: two blocks instead of one
     return (None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None)

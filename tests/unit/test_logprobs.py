@@ -1,5 +1,6 @@
 """Chunked LM-head log-probabilities: equal to the plain [tokens x vocab] computation, values and gradients."""
 
+import contextlib
 import weakref
 
 import pytest
@@ -10,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 from relayrl.models import load_model
 from relayrl.sample import Sample
 from relayrl.trainer.engine import TrainEngine
-from relayrl.trainer.logprobs import token_logprobs
+from relayrl.trainer.logprobs import token_logprobs, weight_grad_into_param
 from relayrl.trainer.packer import Packer
 
 
@@ -85,7 +86,7 @@ class _PeakBytes(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.live, self.peak, self._seen = 0, 0, set()
+        self.live, self.peak, self._seen, self.sizes = 0, 0, set(), []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -95,6 +96,7 @@ class _PeakBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and (key := t.untyped_storage().data_ptr()) not in self._seen | inputs:
                 self._seen.add(key)
                 self.live += t.untyped_storage().nbytes()
+                self.sizes.append(t.untyped_storage().nbytes())
                 weakref.finalize(t, self._free, key, t.untyped_storage().nbytes())
         self.peak = max(self.peak, self.live)
         return out
@@ -122,6 +124,73 @@ def test_head_working_memory_is_one_block_or_two_with_the_entropy_gradient(entro
         with torch.no_grad(), _PeakBytes() as mode:
             token_logprobs(hidden, weight, targets, with_entropy=with_entropy, chunk_bytes=block)
         assert mode.peak <= chunks * block + block // 4, (with_entropy, mode.peak / block)
+
+
+def _tied_loss(weight, ids, targets, block):
+    """A tied head: the weight embeds the inputs (reached last in backward) and scores the outputs."""
+    hidden = torch.nn.functional.embedding(ids, weight) * 1.5
+    logp, _ = token_logprobs(hidden, weight, targets, chunk_bytes=block)
+    return -logp.sum()
+
+
+def test_inside_the_context_backward_writes_the_head_gradient_into_the_parameter():
+    """Same .grad as autograd's own accumulation (from None, then accumulating, with a tied embedding use and
+    with a gradient hook that must keep autograd's path), and no [vocab x hidden] buffer beside .grad."""
+    _, w0, targets = _inputs(n=64, h=64, v=4096)
+    ids = torch.randint(0, 4096, (64,), generator=torch.Generator().manual_seed(3))
+    block = 128 * 1024
+    grads = []
+    for into in (False, True):
+        weight = torch.nn.Parameter(w0.detach().clone())
+        for _ in range(2):
+            with weight_grad_into_param() if into else contextlib.nullcontext():
+                loss = _tied_loss(weight, ids, targets, block)
+            loss.backward()
+        grads.append(weight.grad)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+
+    hooked = torch.nn.Parameter(w0.detach().clone())
+    hooked.register_hook(lambda g: 2 * g)
+    with weight_grad_into_param():
+        loss = _tied_loss(hooked, ids, targets, block)
+    loss.backward()
+    assert torch.allclose(hooked.grad, grads[0], rtol=1e-5, atol=1e-6)  # 2 x (the sum of two backwards)
+
+    hidden, weight, targets = _inputs(n=64, h=16, v=16384)  # untied: only the head's gradient, .grad there
+    weight = torch.nn.Parameter(weight.detach())
+    weight.grad = torch.zeros_like(weight)  # 8 blocks
+    for into, most in ((True, 1.5 * block), (False, 8 * block)):  # a block of logits + its [cols x h] product
+        with weight_grad_into_param() if into else contextlib.nullcontext():
+            logp, _ = token_logprobs(hidden, weight, targets, chunk_bytes=block)
+        with _PeakBytes() as mode:
+            logp.sum().backward()
+        extra = mode.peak - hidden.grad.nbytes  # beyond the hidden states' gradient
+        assert (extra <= most) if into else (extra >= most), (into, extra / block)
+        hidden.grad = None
+
+
+def test_the_train_engine_writes_the_tied_head_gradient_in_place(tiny_path):
+    """In a micro-step's backward the head adds its part into .grad instead of holding a whole [vocab x hidden]
+    gradient in autograd's buffer through every layer's backward, to be summed with the embedding's."""
+    engine = TrainEngine(load_model(tiny_path, dtype="float32"))
+    sample = Sample(prompt_ids=[5, 6, 7])
+    sample.append_generated([8, 9, 10, 11], [0.0] * 4, [0] * 4, "stop")
+    mb = Packer(4096, pad_id=0).pack([sample]).micro_batches[0]
+    weight = engine.model.get_output_embeddings().weight
+    assert weight is engine.model.get_input_embeddings().weight
+
+    def loss_fn(mb, logp, entropy):
+        return -logp.sum(), {}
+
+    with engine.training_mode():
+        engine._micro_step(mb, loss_fn, False, False)  # .grad now exists
+        first = weight.grad.clone()
+        with _PeakBytes() as mode:
+            engine._micro_step(mb, loss_fn, False, False)
+    assert torch.allclose(weight.grad, 2 * first, rtol=1e-5, atol=1e-6)
+    # the embedding's gradient and the head's block product (the tiny vocabulary is one block): no buffer for
+    # the head's whole gradient, no sum of the two made in autograd's buffer
+    assert mode.sizes.count(weight.nbytes) == 2, mode.sizes.count(weight.nbytes)
 
 
 def test_train_engine_logprobs_equal_the_unchunked_lm_head(tiny_path):
