@@ -24,28 +24,10 @@ import types
 import _common
 import _scaling_child
 import scaling
-
-GB = 1e9
-
-
-def _status(key: str) -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key)) / GB
+from train_memory_trace import Trace  # the high-water mark between marks
 
 
-class Marks:
-    """(part, high-water mark inside it, RSS at its end) rows; each mark starts the next part."""
-
-    def __init__(self) -> None:
-        self.rows: list[dict] = []
-
-    def mark(self, part: str) -> None:
-        self.rows.append({"part": part, "hwm_gb": round(_status("VmHWM"), 3), "rss_gb": round(_status("VmRSS"), 3)})
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-
-
-def _instrument(train_ctl, marks: Marks) -> None:
+def _instrument(train_ctl, marks: Trace) -> None:
     """Hooks at the part boundaries; the micro-step itself is the trainer's (called through, not copied)."""
     import relayrl.trainer.engine as te
 
@@ -88,23 +70,24 @@ def main() -> None:
     hf_config = (scaling.SIZES | scaling.QUICK_SIZES)[a.size][0]  # tiny-a: a seconds-long smoke run
     shape = {"prompts": 8, "group": 8, "prompt_len": 64, "new_tokens": 128}  # bench/scaling.py's step
     spec = {"hf_config": hf_config, "shape": shape, "overrides": ["model.gradient_checkpointing=true"]}
-    marks, rng, vocab, steps = Marks(), random.Random(0), hf_config["vocab_size"], []
+    marks, rng, vocab, steps = Trace(), random.Random(0), hf_config["vocab_size"], []
+    n_new, group = shape["new_tokens"], shape["group"]
     with tempfile.TemporaryDirectory(prefix="bench_backward_peak_") as tmp:
         _cfg, train_ctl, rollout_ctl, engine = _scaling_child._build(spec, tmp)
         rollout_ctl.release_memory(weights=True)  # as during training in the colocated loop
         _instrument(train_ctl, marks)
         for step in range(1, a.steps + 1):  # random answers of the full length: no rollout needed to train
-            prompts = [[rng.randrange(3, vocab) for _ in range(64)] for _ in range(8)]
-            outs = [types.SimpleNamespace(output_ids=[rng.randrange(3, vocab) for _ in range(128)],
-                                          logprobs=[-1.0] * 128, versions=[0] * 128, finish_reason="length")
-                    for _ in range(64)]
+            prompts = [[rng.randrange(3, vocab) for _ in range(shape["prompt_len"])] for _ in range(shape["prompts"])]
+            outs = [types.SimpleNamespace(output_ids=[rng.randrange(3, vocab) for _ in range(n_new)],
+                                          logprobs=[-1.0] * n_new, versions=[0] * n_new, finish_reason="length")
+                    for _ in range(shape["prompts"] * group)]
             marks.rows.clear()
             marks.mark("start")
-            train_ctl.fit(_scaling_child._samples(outs, prompts, 8, step, rng))
+            train_ctl.fit(_scaling_child._samples(outs, prompts, group, step, rng))
             marks.mark("optimizer_and_rest")
             steps.append({"step": step, "parts": marks.rows[1:]})
-            top = max(marks.rows[1:], key=lambda r: r["hwm_gb"])
-            print(f"step {step}: peak {top['hwm_gb']:.3f} GB in {top['part']}", file=sys.stderr)
+            top = max(marks.rows[1:], key=lambda r: r["peak_since_last_gb"])
+            print(f"step {step}: peak {top['peak_since_last_gb']:.3f} GB in {top['phase']}", file=sys.stderr)
         engine.close()
     result = {**_common.result_header("backward_peak"), "size": a.size, "shape": shape,
               "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"), "steps": steps}

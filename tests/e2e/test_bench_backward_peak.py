@@ -22,8 +22,8 @@ def test_each_micro_batch_is_marked_part_by_part(tmp_path):
     assert r["size"] == "tiny-a" and r["malloc_mmap_threshold"] == "1048576" and "torch_cpu_capability" in r["machine"]
     assert [s["step"] for s in r["steps"]] == [1, 2]
     for step in r["steps"]:
-        names = [p["part"] for p in step["parts"]]
+        names = [p["phase"] for p in step["parts"]]
         assert names[-1] == "optimizer_and_rest" and len(names) % 5 == 1  # 5 marks a micro-batch, then the step
         for k in range(0, len(names) - 1, 5):
             assert names[k: k + 5] == ["before_micro_batch", *PARTS]
-        assert all(0 < p["rss_gb"] <= p["hwm_gb"] + 0.05 for p in step["parts"])
+        assert all(0 < p["rss_gb"] <= p["peak_since_last_gb"] + 0.05 for p in step["parts"])
