@@ -65,8 +65,11 @@ class TrainEngine:
         return cls(model, **kwargs)
 
     def _autocast(self):
+        """bf16 autocast without its weight cache: the cache keeps a bf16 copy of every weight a forward casts
+        until the forward ends, and a forward uses each weight once, so it saves no cast and holds the whole
+        model's bf16 copy (0.27 GB at 135M) at the forward's end, on top of the activations."""
         if self.autocast_bf16:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False)
         return contextlib.nullcontext()
 
     def logprobs(self, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False):

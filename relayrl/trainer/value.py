@@ -64,7 +64,8 @@ class Critic:
         return cls(ValueModel(lm.get_decoder(), lm.config.hidden_size), **kwargs)
 
     def _autocast(self):
-        return (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16
+        """As the policy's (TrainEngine._autocast): no weight cache, a forward uses each weight once."""
+        return (torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False) if self.autocast_bf16
                 else contextlib.nullcontext())
 
     def _values(self, mb: MicroBatch) -> torch.Tensor:

@@ -84,16 +84,18 @@ class _PeakBytes(TorchDispatchMode):
     """Peak bytes of the storages that ops create while the mode is on and that are still alive (CPU torch has
     no allocator statistics; this counts what the code asks for, which is what the chunking controls)."""
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype | None = None):
         super().__init__()
-        self.live, self.peak, self._seen, self.sizes = 0, 0, set(), []
+        self.live, self.peak, self._seen, self.sizes, self.dtype = 0, 0, set(), [], dtype
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
                   if isinstance(t, torch.Tensor)}  # views and in-place results are not new memory
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and (key := t.untyped_storage().data_ptr()) not in self._seen | inputs:
+            if not isinstance(t, torch.Tensor) or self.dtype not in (None, t.dtype):
+                continue
+            if (key := t.untyped_storage().data_ptr()) not in self._seen | inputs:
                 self._seen.add(key)
                 self.live += t.untyped_storage().nbytes()
                 self.sizes.append(t.untyped_storage().nbytes())
@@ -191,6 +193,22 @@ def test_the_train_engine_writes_the_tied_head_gradient_in_place(tiny_path):
     # the embedding's gradient and the head's block product (the tiny vocabulary is one block): no buffer for
     # the head's whole gradient, no sum of the two made in autograd's buffer
     assert mode.sizes.count(weight.nbytes) == 2, mode.sizes.count(weight.nbytes)
+
+
+def test_the_trainers_autocast_keeps_no_bf16_copy_of_the_whole_model(tiny_path):
+    """Under bf16 autocast with gradient checkpointing, a forward's bf16 weights live one use at a time; autocast's
+    weight cache would keep every cast until the forward ends: a bf16 copy of the model on top of its peak."""
+    engine = TrainEngine(load_model(tiny_path, dtype="float32"), autocast_bf16=True, gradient_checkpointing=True)
+    sample = Sample(prompt_ids=[5, 6, 7])
+    sample.append_generated([8, 9, 10, 11], [0.0] * 4, [0] * 4, "stop")
+    mb = Packer(4096, pad_id=0).pack([sample]).micro_batches[0]
+    weights = [m.weight for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    with engine.training_mode(), _PeakBytes(torch.bfloat16) as mode:
+        logp, _ = engine.logprobs(mb)
+    logp.sum().backward()  # the step still trains: every linear weight gets a gradient
+    assert all(w.grad is not None for w in weights)
+    model_bf16 = sum(w.numel() * 2 for w in weights)
+    assert mode.peak < model_bf16 / 2, (mode.peak, model_bf16)  # with the cache: >= model_bf16
 
 
 def test_train_engine_logprobs_equal_the_unchunked_lm_head(tiny_path):
