@@ -1,9 +1,11 @@
-"""Agents and rewards that tests name by import path (configs refer to user code this way)."""
+"""Agents that tests name by import path (configs refer to user code this way); the rewards are in
+rewards_for_tests, which judge workers import in milliseconds, and are re-exported here under their old paths."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+
+from rewards_for_tests import parity_reward, tagged_reward  # noqa: F401 - old paths (bench/compare_presets.py)
 
 from relayrl.agents.single_turn import SingleTurnAgent
 from relayrl.sample import Sample
@@ -18,12 +20,6 @@ class FlakyAgent(SingleTurnAgent):
         if sample.index == 1:
             await asyncio.sleep(3600)
         return await super().generate_sample(sample)
-
-
-def parity_reward(response: str, data: dict[str, Any]) -> dict[str, float]:
-    """A dense, learnable-looking signal for random tiny models: even response length."""
-    correct = float(len(response) % 2 == 0)
-    return {"reward": correct, "correct": correct}
 
 
 async def two_call_episode(client, row):
@@ -92,15 +88,6 @@ class BrokenInitAgent(SingleTurnAgent):
 
     def __init__(self, *args, **kwargs):
         raise ValueError("broken agent: bad kwargs")
-
-
-def tagged_reward(response: str, data: dict[str, Any]) -> float:
-    """Misbehaves by the row's tag: NAN -> NaN, HUGE -> 1e9 (beyond judge.max_abs_reward); else even length."""
-    if "NAN" in data["question"]:
-        return float("nan")
-    if "HUGE" in data["question"]:
-        return 1e9
-    return float(len(response) % 2 == 0)
 
 
 class SoloAgent(SingleTurnAgent):

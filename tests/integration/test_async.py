@@ -195,7 +195,7 @@ def test_ctrl_c_stops_everything_quickly(tiny_path, data, tmp_path, placement, s
     args = [f"{k}={v}" for k, v in {
         "model.path": tiny_path, "engine.dtype": "float32", "data.train.source": data, "data.batch_size": 2,
         "data.group_size": 2, "sampling.max_new_tokens": 200, "run.steps": 10_000, "run.output_dir": str(tmp_path),
-        "judge.reward_fn": "agents_for_tests:parity_reward", "scheduler.mode": "async", "eval.at_start": False,
+        "judge.reward_fn": "rewards_for_tests:parity_reward", "scheduler.mode": "async", "eval.at_start": False,
         "agent.kind": "tool", "scheduler.placement": placement}.items()]
     env = {**os.environ, "PYTHONPATH": TESTS, "RELAYRL_TEST_MARKER": marker}
     proc = subprocess.Popen([sys.executable, "-m", "relayrl.cli", "train", *args], env=env, stdout=subprocess.PIPE,

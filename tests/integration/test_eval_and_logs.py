@@ -56,7 +56,7 @@ def trained_run(tiny_path, tmp_path, monkeypatch):
     over = [f"model.path={tiny_path}", "engine.dtype=float32", f"data.train.source={data}",
             f"data.eval.source={data}", "data.batch_size=2", "data.group_size=2", "sampling.max_new_tokens=8",
             "eval.size=3", "eval.n=2", "eval.temperature=1.0", "run.steps=2", f"run.output_dir={tmp_path}",
-            "run.name=r", "judge.reward_fn=agents_for_tests:parity_reward", "judge.workers=1", "run.print_samples=0",
+            "run.name=r", "judge.reward_fn=rewards_for_tests:parity_reward", "judge.workers=1", "run.print_samples=0",
             "run.tensorboard=false", "train.lr=1e-3", "agent.kind=reflection", "agent.kwargs={max_turns: 2}"]
     train(load_run_config(None, over))
     return tmp_path / "r", over

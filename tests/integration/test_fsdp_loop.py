@@ -19,7 +19,7 @@ from relayrl.models import load_model
 def run(tiny_path, data, out, name, *extra) -> subprocess.CompletedProcess:
     args = [f"model.path={tiny_path}", "engine.dtype=float32", f"data.train.source={data}", "data.batch_size=2",
             "data.group_size=2", "sampling.max_new_tokens=10", "run.steps=2", f"run.output_dir={out}",
-            f"run.name={name}", "train.lr=1e-3", "judge.reward_fn=agents_for_tests:parity_reward", "judge.workers=1",
+            f"run.name={name}", "train.lr=1e-3", "judge.reward_fn=rewards_for_tests:parity_reward", "judge.workers=1",
             "run.tensorboard=false", "eval.at_start=false", "eval.at_end=false", "train.micro_batch_tokens=16",
             *extra]
     env = {**os.environ, "PYTHONPATH": TESTS, "OMP_NUM_THREADS": "1"}

@@ -40,7 +40,7 @@ def parts(tiny_path):
     tok = load_tokenizer(tiny_path)
     model = load_model(tiny_path)
     engine = LocalEngine(model, eos_token_ids=eos_token_ids(tok, tiny_path), max_batch_size=16, seed=3)
-    judge = Judge("agents_for_tests:parity_reward", workers=1)
+    judge = Judge("rewards_for_tests:parity_reward", workers=1)
     yield tok, model, engine, judge
     engine.close()
     judge.close()

@@ -195,7 +195,7 @@ def cli_run(tiny_path, tmp_path_factory):
     args = {"model.path": tiny_path, "engine.dtype": "float32", "data.train.source": data, "data.eval.source": data,
             "data.batch_size": 2, "data.group_size": 2, "sampling.max_new_tokens": 8, "eval.size": 2, "eval.n": 1,
             "eval.at_start": True, "run.steps": 3, "run.output_dir": str(tmp), "run.name": "r",
-            "judge.reward_fn": "agents_for_tests:parity_reward", "judge.workers": 1, "run.print_samples": 0,
+            "judge.reward_fn": "rewards_for_tests:parity_reward", "judge.workers": 1, "run.print_samples": 0,
             "run.save_final": False, "run.log_trajectories": False, "run.trackers": f"[{', '.join(trackers)}]"}
     env = {"PYTHONPATH": f"{Path(TESTS).parent}:{TESTS}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": "1", "HOME": str(tmp)}

@@ -45,7 +45,7 @@ def run(cfg):
 def tagged_args(tiny_path, data, tmp_path, **extra):
     return args_for(tiny_path, data, tmp_path, "tagged", **{
         "data.batch_size": 3, "data.shuffle": False, "algo.preset": "rloo", "run.steps": 2,
-        "judge.reward_fn": "agents_for_tests:tagged_reward", "agent.kind": "agents_for_tests:SoloAgent",
+        "judge.reward_fn": "rewards_for_tests:tagged_reward", "agent.kind": "agents_for_tests:SoloAgent",
         "run.checkpoint_every": 1, "run.keep_checkpoints": 2, **extra})
 
 
