@@ -395,3 +395,12 @@ def test_reward_kwargs_are_checked_against_the_signature() -> None:
         "target", "reward function needs_target requires argument 'target': set it in judge.kwargs")
     assert reward_kwargs_problem(judge_fns.needs_target, {"target": 3}) is None
     assert reward_kwargs_problem(judge_fns.echo, {})[0] == ""  # cannot take (response, data)
+
+
+def test_the_tests_reward_module_imports_without_torch():
+    """Judge workers import the reward's module before they report ready; tiny runs name rewards_for_tests so
+    that takes milliseconds. A torch (or relayrl) import there would add ~4 s to every tiny run's build."""
+    code = "import sys, rewards_for_tests; print(sorted(m for m in ('torch', 'relayrl') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": TESTS_DIR},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", out
