@@ -33,8 +33,8 @@ QUICK = ["model.autocast_bf16=false", "engine.dtype=float32", "data.batch_size=2
          "run.tensorboard=false", "run.save_final=false", "run.log_trajectories=false", "run.print_samples=0",
          "judge.workers=1",
          # a random model never earns the math reward; the tests' parity reward gives mixed groups (which
-         # DAPO's dynamic sampling needs) from tests/agents_for_tests.py
-         "judge.reward_fn=agents_for_tests:parity_reward", "judge.kwargs={}"]
+         # DAPO's dynamic sampling needs) from tests/rewards_for_tests.py
+         "judge.reward_fn=rewards_for_tests:parity_reward", "judge.kwargs={}"]
 
 
 def run_preset(preset: str, args: argparse.Namespace, extra: list[str]) -> dict:

@@ -1,11 +1,9 @@
 """Agents that tests name by import path (configs refer to user code this way); the rewards are in
-rewards_for_tests, which judge workers import in milliseconds, and are re-exported here under their old paths."""
+rewards_for_tests, which judge workers import in milliseconds."""
 
 from __future__ import annotations
 
 import asyncio
-
-from rewards_for_tests import parity_reward, tagged_reward  # noqa: F401 - old paths (bench/compare_presets.py)
 
 from relayrl.agents.single_turn import SingleTurnAgent
 from relayrl.sample import Sample

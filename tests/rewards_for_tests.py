@@ -3,8 +3,7 @@
 Standard library only, on purpose: every judge worker is a fresh spawned interpreter that imports the reward
 function's module before it reports ready, and a build waits for that. agents_for_tests imports relayrl's
 agents (torch, transformers, openai: about 4 s of a worker's start on 2 cores); this module imports in
-milliseconds, so each tiny run's build no longer waits on it. The functions are the same either way;
-agents_for_tests re-exports them so its old paths keep working."""
+milliseconds, so each tiny run's build no longer waits on it."""
 
 from __future__ import annotations
 

@@ -64,21 +64,13 @@ class TrainEngine:
             model = wrap_lora(model, lora)
         return cls(model, **kwargs)
 
-    def _autocast(self):
-        """bf16 autocast without its weight cache: the cache keeps a bf16 copy of every weight a forward casts
-        until the forward ends, and a forward uses each weight once, so it saves no cast and holds the whole
-        model's bf16 copy (0.27 GB at 135M) at the forward's end, on top of the activations."""
-        if self.autocast_bf16:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False)
-        return contextlib.nullcontext()
-
     def logprobs(self, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False):
         """Logprobs of mb.targets under log_softmax(logits / temperature); entropy per token if asked.
 
         The LM head runs in chunks of rows (relayrl.trainer.logprobs), so [tokens x vocab] logits are
         never held whole, in training or in the old-policy and reference passes. Computed on the model's
         device, returned on the CPU (module doc)."""
-        with self._autocast():
+        with bf16_autocast(self.device, self.autocast_bf16):
             logp, entropy = self._token_logprobs(mb.to(self.device), with_entropy, entropy_grad)
         return logp.cpu(), None if entropy is None else entropy.cpu()
 
@@ -168,6 +160,16 @@ def head_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.T
         return logp, None
     with contextlib.nullcontext() if entropy_grad else torch.no_grad():
         return logp, -(lsm.exp() * lsm).sum(-1)
+
+
+def bf16_autocast(device: torch.device, enabled: bool):
+    """bf16 autocast on `device` for the policy's and the critic's forward (a no-op unless `enabled`), without
+    autocast's weight cache: the cache keeps a bf16 copy of every weight a forward casts until the forward ends,
+    and a forward uses each weight once, so it saves no cast and holds the whole model's bf16 copy (0.27 GB at
+    135M) at the forward's end, on top of the activations."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
 
 
 def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> dict[str, float]:

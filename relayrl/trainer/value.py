@@ -11,7 +11,6 @@ micro-batch moves to the critic's device for its forward and the values come bac
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 
@@ -21,7 +20,7 @@ from torch import nn
 from relayrl.common.device import model_device
 from relayrl.models import load_model
 from relayrl.trainer.algo import reduce_stats
-from relayrl.trainer.engine import clip_and_step
+from relayrl.trainer.engine import bf16_autocast, clip_and_step
 from relayrl.trainer.packer import MicroBatch
 
 ValueLossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
@@ -63,14 +62,9 @@ class Critic:
         lm = load_model(path, dtype=dtype, device=device)
         return cls(ValueModel(lm.get_decoder(), lm.config.hidden_size), **kwargs)
 
-    def _autocast(self):
-        """As the policy's (TrainEngine._autocast): no weight cache, a forward uses each weight once."""
-        return (torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False) if self.autocast_bf16
-                else contextlib.nullcontext())
-
     def _values(self, mb: MicroBatch) -> torch.Tensor:
         """V(s_t) per trained token, computed on the critic's device, returned on the CPU (with its graph)."""
-        with self._autocast():
+        with bf16_autocast(self.device, self.autocast_bf16):
             return self.model(mb.to(self.device)).cpu()
 
     @torch.no_grad()

@@ -171,13 +171,18 @@ def test_inside_the_context_backward_writes_the_head_gradient_into_the_parameter
         hidden.grad = None
 
 
+def _one_sample_micro_batch():
+    """A 3-token prompt and 4 generated tokens, packed as the trainer packs them."""
+    sample = Sample(prompt_ids=[5, 6, 7])
+    sample.append_generated([8, 9, 10, 11], [0.0] * 4, [0] * 4, "stop")
+    return Packer(4096, pad_id=0).pack([sample]).micro_batches[0]
+
+
 def test_the_train_engine_writes_the_tied_head_gradient_in_place(tiny_path):
     """In a micro-step's backward the head adds its part into .grad instead of holding a whole [vocab x hidden]
     gradient in autograd's buffer through every layer's backward, to be summed with the embedding's."""
     engine = TrainEngine(load_model(tiny_path, dtype="float32"))
-    sample = Sample(prompt_ids=[5, 6, 7])
-    sample.append_generated([8, 9, 10, 11], [0.0] * 4, [0] * 4, "stop")
-    mb = Packer(4096, pad_id=0).pack([sample]).micro_batches[0]
+    mb = _one_sample_micro_batch()
     weight = engine.model.get_output_embeddings().weight
     assert weight is engine.model.get_input_embeddings().weight
 
@@ -199,9 +204,7 @@ def test_the_trainers_autocast_keeps_no_bf16_copy_of_the_whole_model(tiny_path):
     """Under bf16 autocast with gradient checkpointing, a forward's bf16 weights live one use at a time; autocast's
     weight cache would keep every cast until the forward ends: a bf16 copy of the model on top of its peak."""
     engine = TrainEngine(load_model(tiny_path, dtype="float32"), autocast_bf16=True, gradient_checkpointing=True)
-    sample = Sample(prompt_ids=[5, 6, 7])
-    sample.append_generated([8, 9, 10, 11], [0.0] * 4, [0] * 4, "stop")
-    mb = Packer(4096, pad_id=0).pack([sample]).micro_batches[0]
+    mb = _one_sample_micro_batch()
     weights = [m.weight for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
     with engine.training_mode(), _PeakBytes(torch.bfloat16) as mode:
         logp, _ = engine.logprobs(mb)
