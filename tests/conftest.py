@@ -27,10 +27,12 @@ def tiny_path():
     return str(tiny_model("qwen2"))
 
 
-# A tiny run: the tiny model in fp32, 2 prompts x 2 samples, 10 new tokens, 2 steps, a fast judge (its reward module
-# imports no torch: rewards_for_tests), no extra output.
-TINY_RUN = {"engine.dtype": "float32", "data.batch_size": 2, "data.group_size": 2, "sampling.max_new_tokens": 10,
-            "run.steps": 2, "run.name": "t", "train.lr": 1e-3, "judge.reward_fn": "rewards_for_tests:parity_reward",
+# A tiny run: the tiny model in fp32 (precision pinned: `auto` differs between CPU kinds, bf16 autocast where
+# native), 2 prompts x 2 samples, 10 new tokens, 2 steps, a fast judge (its reward module imports no torch:
+# rewards_for_tests), no extra output.
+TINY_RUN = {"engine.dtype": "float32", "model.autocast_bf16": False, "data.batch_size": 2, "data.group_size": 2,
+            "sampling.max_new_tokens": 10, "run.steps": 2, "run.name": "t", "train.lr": 1e-3,
+            "judge.reward_fn": "rewards_for_tests:parity_reward",
             "judge.workers": 1, "run.print_samples": 0, "run.tensorboard": False, "run.save_final": False,
             "eval.at_start": False, "eval.at_end": False}
 

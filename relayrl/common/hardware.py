@@ -1,5 +1,6 @@
-"""What the hardware does natively, and the engine dtype chosen from it (`engine.dtype: auto`: bf16 on GPUs
-that have it, float32 on CPUs, see `resolve_dtype`).
+"""What the hardware does natively, and the precisions chosen from it: `engine.dtype: auto` (bf16 on GPUs that
+have it, float32 on CPUs, `resolve_dtype`) and `model.autocast_bf16: auto` (the trainer's matmuls in bf16
+wherever bf16 is native, CPUs included, `resolve_autocast`).
 
 Why measure: bf16 is 2-4x faster than fp32 where the CPU has AVX512-BF16 or AMX, and about 65x *slower* where
 it has only AVX2 (PyTorch then emulates it). torch's capability string does not tell the two apart ("AVX512"
@@ -86,12 +87,10 @@ def bf16_support(device: str = "cpu") -> Bf16Support:
 
 def resolve_dtype(setting: str, device: str = "cpu") -> tuple[str, str]:
     """An engine dtype setting -> (dtype name, reason). "auto": bfloat16 on a GPU that has it; float32 on every
-    CPU. On a CPU even native bf16 loses end to end: measured side by side on the README job (2 AMX cores,
-    docs/benchmarks.md), a bf16 engine beside an fp32 trainer with bf16 autocast took 20.3 s per step and reached
-    53.5% pass@1, one fp32 model shared by engine and trainer 11.1 s and 73.0% (no weight copy to sync, no
-    autocast casts, engine and trainer logprobs equal). bf16 autocast in the trainer alone (the engine fp32, one
-    model) is 0.90x the job's time on an AMD EPYC with avx512_bf16 but +0.67 GB of peak (3.40 GB, over the 3 GB
-    goal), so it stays opt-in (model.autocast_bf16: true); bf16 can still be set explicitly."""
+    CPU. On a CPU even native bf16 loses end to end in the engine: measured side by side on the README job (2 AMX
+    cores, docs/benchmarks.md), a bf16 engine beside an fp32 trainer with bf16 autocast took 20.3 s per step and
+    reached 53.5% pass@1, one fp32 model shared by engine and trainer 11.1 s and 73.0% (no weight copy to sync,
+    engine and trainer logprobs closer). The trainer's own precision is `resolve_autocast`'s."""
     if setting != "auto":
         return setting, "set in the config"
     support = bf16_support(device)
@@ -99,6 +98,16 @@ def resolve_dtype(setting: str, device: str = "cpu") -> tuple[str, str]:
         return ("bfloat16" if support.native else "float32"), support.reason
     native = "native" if support.native else "not native"
     return "float32", f"CPU: float32, one model for engine and trainer (bf16 {native} here: {support.reason})"
+
+
+def resolve_autocast(setting: bool | str, engine_dtype: str, device: str = "cpu") -> bool:
+    """model.autocast_bf16 -> whether the trainer's matmuls run in bf16 (fp32 weights, gradients and AdamW).
+    "auto": yes where the engine runs bf16 (a GPU that has it), and on a CPU where bf16 is native (AVX512-BF16,
+    AMX): there the README job's steps take ~0.8x the time at the same peak memory (docs/benchmarks.md, "bf16
+    autocast by default where it is native"); where bf16 is emulated (AVX2) it would be ~65x slower."""
+    if setting != "auto":
+        return bool(setting)
+    return engine_dtype == "bfloat16" or (device == "cpu" and bf16_support("cpu").native)
 
 
 def _gflops(dtype: torch.dtype, n: int = 256, seconds: float = 0.03) -> float:

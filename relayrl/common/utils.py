@@ -166,7 +166,10 @@ def tune_allocator() -> None:
     (docs/benchmarks.md): peak 4.45 -> 3.27 GB, step time +18% with the threshold alone, +10% with huge pages.
     Off unless asked, because the README job is already under its memory goal and time is the scarcer one;
     `trim_memory` between phases gives the held memory back at no measured cost.
+
+    Also bounds oneDNN's two kernel caches (`bound_onednn_caches`), on any platform.
     """
+    bound_onednn_caches()
     libc = _glibc()
     if libc is None:
         return
@@ -179,6 +182,23 @@ def tune_allocator() -> None:
         libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold)
         if "torch" not in sys.modules:
             os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
+ONEDNN_CACHE_CAPACITY = 128  # kernels kept per cache: a step's distinct bf16 matmul shapes, with room
+
+
+def bound_onednn_caches() -> None:
+    """Keep at most ONEDNN_CACHE_CAPACITY kernels in each of oneDNN's caches (its primitive cache and ideep's).
+
+    On a CPU every bf16 matmul (autocast, a bf16 engine) runs through a oneDNN kernel built for its exact shape
+    and kept in two caches of 1024 entries each, ~0.3 MB per entry in each. Training shapes follow each
+    micro-batch's token count, so they rarely repeat across steps: a step adds ~60 kernels and the caches grow
+    ~60 MB per step until ~0.6 GB (measured, docs/benchmarks.md). A kernel is rebuilt in about a millisecond,
+    and within one step the shapes that repeat (30 layers of one shape) stay cached. Read when the first oneDNN
+    kernel is built, so this must run before the first bf16 matmul; values the user exported win.
+    """
+    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):  # oneDNN's, ideep's (0 crashes it)
+        os.environ.setdefault(var, str(ONEDNN_CACHE_CAPACITY))
 
 
 def memory_gb() -> dict[str, float]:

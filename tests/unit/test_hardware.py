@@ -1,5 +1,6 @@
-"""Hardware-aware dtypes: engine.dtype auto is float32 on CPUs (bf16 loses end to end there, even where native),
-bf16 only on GPUs that have it; what the CPU does natively is measured once and reported."""
+"""Hardware-aware dtypes: engine.dtype auto is float32 on CPUs (a bf16 engine loses end to end there, even where
+native), bf16 only on GPUs that have it; the trainer autocasts to bf16 wherever bf16 is native; what the CPU does
+natively is measured once and reported."""
 
 import json
 import os
@@ -49,13 +50,23 @@ def test_cpu_without_bf16_flags_never_gets_bf16(monkeypatch):
     assert hardware.resolve_dtype("bfloat16") == ("bfloat16", "set in the config")
 
 
-def test_trainer_autocast_follows_the_engine_precision(capsys):
-    cfg = resolve_precision(load_run_config(None, ["engine.dtype=bfloat16"]))
-    assert cfg.model.autocast_bf16 is True
-    cfg = resolve_precision(load_run_config(None, ["engine.dtype=float32"]))
-    assert cfg.model.autocast_bf16 is False
+def _support(native: bool):
+    return lambda device="cpu": hardware.Bf16Support(native, "simulated")
+
+
+def test_trainer_autocast_follows_what_the_hardware_does_natively(monkeypatch, capsys):
+    """auto: bf16 autocast in the trainer where bf16 is native (a bf16 engine, or a CPU with AVX512-BF16/AMX),
+    fp32 where it is emulated; an explicit setting always wins."""
+    monkeypatch.setattr(hardware, "bf16_support", _support(False))  # an AVX2 CPU
+    assert resolve_precision(load_run_config(None, ["engine.dtype=bfloat16"])).model.autocast_bf16 is True
+    assert resolve_precision(load_run_config(None, ["engine.dtype=float32"])).model.autocast_bf16 is False
+    auto = resolve_precision(load_run_config(None, []))
+    assert auto.engine.dtype == "float32" and auto.model.autocast_bf16 is False  # run.device auto: the CPU
     cfg = resolve_precision(load_run_config(None, ["engine.dtype=float32", "model.autocast_bf16=true"]))
     assert cfg.model.autocast_bf16 is True
+    monkeypatch.setattr(hardware, "bf16_support", _support(True))  # AVX512-BF16 or AMX
     auto = resolve_precision(load_run_config(None, []))
-    assert auto.engine.dtype == "float32" and auto.model.autocast_bf16 is False  # run.device auto: the CPU here
+    assert auto.engine.dtype == "float32" and auto.model.autocast_bf16 is True  # one fp32 model, bf16 matmuls
+    cfg = resolve_precision(load_run_config(None, ["model.autocast_bf16=false"]))
+    assert cfg.model.autocast_bf16 is False
     assert "precision: engine" in capsys.readouterr().out

@@ -99,3 +99,51 @@ def test_a_fixed_mmap_threshold_brings_huge_pages_for_torch_tensors():
         pytest.skip("transparent huge pages are off on this kernel ([never]): nothing to measure")
     assert huge_kb >= 2048  # the 16 MB tensor sits (at least partly) on 2 MB pages
     assert _thp_probe({"RELAYRL_MMAP_THRESHOLD": str(1 << 20), "THP_MEM_ALLOC_ENABLE": "0"})[0] == "0"  # user wins
+
+
+ONEDNN_PROBE = r"""
+import ctypes, sys
+from relayrl.common.utils import tune_allocator
+if sys.argv[1] == "bound":
+    tune_allocator()  # what `relayrl train` and build() call first
+import torch
+
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+w = torch.randn(512, 256, dtype=torch.bfloat16)
+
+
+def matmuls(lo, hi):  # one bf16 matmul per row count, as micro-batches of varying token counts make
+    for m in range(lo, hi):
+        torch.randn(m, 256, dtype=torch.bfloat16) @ w.t()
+
+
+matmuls(1, 201)
+before = libc.mallinfo2().uordblks
+matmuls(201, 601)
+print((libc.mallinfo2().uordblks - before) / 1e6)
+"""
+
+
+def _onednn_growth_mb(mode: str) -> float:
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    out = subprocess.run([sys.executable, "-c", ONEDNN_PROBE, mode], env=env, capture_output=True, text=True,
+                         check=True)
+    return float(out.stdout)
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists() or sys.platform != "linux", reason="glibc's mallinfo2")
+def test_bf16_matmul_kernel_caches_stay_bounded_as_shapes_vary():
+    """Every new bf16 matmul shape leaves oneDNN kernels (~0.5 MB) in two 1024-entry caches: the step-by-step
+    growth of an autocast run. tune_allocator caps both, so 400 new shapes after 200 leave the heap flat."""
+    unbounded = _onednn_growth_mb("none")
+    if unbounded < 50:
+        pytest.skip(f"bf16 matmuls do not build oneDNN kernels on this CPU (heap grew {unbounded:.1f} MB "
+                    f"for 400 shapes; no native bf16): nothing to bound")
+    assert _onednn_growth_mb("bound") < 0.1 * unbounded, unbounded
