@@ -103,8 +103,8 @@ def resolve_dtype(setting: str, device: str = "cpu") -> tuple[str, str]:
 def resolve_autocast(setting: bool | str, engine_dtype: str, device: str = "cpu") -> bool:
     """model.autocast_bf16 -> whether the trainer's matmuls run in bf16 (fp32 weights, gradients and AdamW).
     "auto": yes where the engine runs bf16 (a GPU that has it), and on a CPU where bf16 is native (AVX512-BF16,
-    AMX): there the README job's steps take ~0.8x the time at the same peak memory (docs/benchmarks.md, "bf16
-    autocast by default where it is native"); where bf16 is emulated (AVX2) it would be ~65x slower."""
+    AMX): there the README job's fits take ~0.7x the time at about the same peak memory (docs/benchmarks.md,
+    "bf16 autocast by default where it is native"); where bf16 is emulated (AVX2) it would be ~65x slower."""
     if setting != "auto":
         return bool(setting)
     return engine_dtype == "bfloat16" or (device == "cpu" and bf16_support("cpu").native)

@@ -192,10 +192,10 @@ def bound_onednn_caches() -> None:
 
     On a CPU every bf16 matmul (autocast, a bf16 engine) runs through a oneDNN kernel built for its exact shape
     and kept in two caches of 1024 entries each, ~0.3 MB per entry in each. Training shapes follow each
-    micro-batch's token count, so they rarely repeat across steps: a step adds ~60 kernels and the caches grow
-    ~60 MB per step until ~0.6 GB (measured, docs/benchmarks.md). A kernel is rebuilt in about a millisecond,
-    and within one step the shapes that repeat (30 layers of one shape) stay cached. Read when the first oneDNN
-    kernel is built, so this must run before the first bf16 matmul; values the user exported win.
+    micro-batch's token count, so they rarely repeat across steps: the README job's steps add ~100 new shapes,
+    ~60 MB, each, until both caches hold ~0.6 GB (measured, docs/benchmarks.md). A kernel is rebuilt in about a
+    millisecond, and within one step the shapes that repeat (30 layers of one shape) stay cached. Read when the
+    first oneDNN kernel is built, so this must run before the first bf16 matmul; values the user exported win.
     """
     for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):  # oneDNN's, ideep's (0 crashes it)
         os.environ.setdefault(var, str(ONEDNN_CACHE_CAPACITY))

@@ -26,7 +26,7 @@ class ModelConfig:
     # the trainer's weights (and AdamW state): fp32 is the safe default
     train_dtype: Literal["float32", "bfloat16"] = "float32"
     # bf16 autocast for trainer forward/backward (fp32 master weights); auto: on where bf16 is native (a GPU
-    # with bf16, a CPU with AVX512-BF16 or AMX: ~0.8x the step time), off where it is emulated (AVX2 CPUs)
+    # with bf16, a CPU with AVX512-BF16 or AMX: ~0.7x the fit time), off where it is emulated (AVX2 CPUs)
     autocast_bf16: bool | Literal["auto"] = "auto"
     # recompute each layer in backward: activations of one layer, ~30% more compute
     gradient_checkpointing: bool = False
