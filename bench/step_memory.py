@@ -15,7 +15,6 @@ is measured (oneDNN's cache capacities, the allocator settings) are recorded wit
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -25,21 +24,10 @@ from collections import Counter
 
 import _common
 
+from relayrl.common.utils import heap_gb
+
 RECORDED_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY", "RELAYRL_MMAP_THRESHOLD",
                 "RELAYRL_MALLOC_ARENAS", "MALLOC_ARENA_MAX", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def heap_gb() -> dict[str, float]:
-    """glibc's own account of its heap (mallinfo2): in use, free inside it, and blocks mapped on their own."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-    mi = libc.mallinfo2()
-    return {"heap_in_use_gb": mi.uordblks / 1e9, "heap_free_gb": mi.fordblks / 1e9, "mapped_gb": mi.hblkhd / 1e9}
 
 
 def live_tensor_gb() -> dict[str, float]:

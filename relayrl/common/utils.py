@@ -212,6 +212,25 @@ def memory_gb() -> dict[str, float]:
     return {"mem/rss_gb": pages * os.sysconf("SC_PAGE_SIZE") / 1e9, "mem/peak_rss_gb": peak_kb * 1024 / 1e9}
 
 
+class _MallInfo2(ctypes.Structure):
+    """glibc's struct mallinfo2 (glibc >= 2.33): the heap's counters in size_t."""
+
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_gb() -> dict[str, float]:
+    """glibc's own account of its heap, in GB: bytes in use, free inside the heap, and blocks mapped on their
+    own ({} off glibc or before 2.33). A heap in use that climbs while live tensors stay flat is memory held
+    outside tensors: how the bf16 kernel caches were found (`bound_onednn_caches`, bench/step_memory.py)."""
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return {}
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return {"heap_in_use_gb": info.uordblks / 1e9, "heap_free_gb": info.fordblks / 1e9, "mapped_gb": info.hblkhd / 1e9}
+
+
 def trim_memory() -> None:
     """Give free heap pages back to the OS (malloc_trim) between the phases of a step; a no-op off glibc."""
     libc = _glibc()

@@ -4,7 +4,7 @@ Every model folder relayrl writes appears whole or not at all (`store`).
 
 The names below load on first use (PEP 562): most of them need torch and transformers (seconds to import),
 and a launcher that only checks a config (`relayrl train` with `train.engine=fsdp` before torchrun, Ray's
-driver) must not pay for them. `MODEL_ALIASES` names the aliases without loading anything.
+driver) must not pay for them. `MODEL_ALIASES` and `cache_dir` load nothing heavy.
 """
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from relayrl.common.utils import cache_dir
 from relayrl.models.aliases import MODEL_ALIASES
 
 _HOMES = {"DTYPES": "loading", "eos_token_ids": "loading", "load_model": "loading", "load_tokenizer": "loading",
           "resolve_model_path": "loading", "save_pretrained_atomic": "loading", "prepare_smollm2": "smollm2",
-          "smollm2_dir": "smollm2", "build_tiny_model": "tiny", "tiny_model": "tiny",
-          "cache_dir": "relayrl.common.utils"}
+          "smollm2_dir": "smollm2", "build_tiny_model": "tiny", "tiny_model": "tiny"}
 
 
 def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
     if home is None:
         raise AttributeError(f"module 'relayrl.models' has no attribute {name!r}")
-    return getattr(importlib.import_module(home if "." in home else f"relayrl.models.{home}"), name)
+    return getattr(importlib.import_module(f"relayrl.models.{home}"), name)
 
 
-__all__ = ["MODEL_ALIASES", *_HOMES]
+__all__ = ["MODEL_ALIASES", "cache_dir", *_HOMES]
