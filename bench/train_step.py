@@ -3,7 +3,9 @@
 
 Variants (same samples, same TrainController path: advantages, loss, backward, clip, AdamW step):
 - packed: the Packer as relayrl trains by default (a GRPO group shares one prompt copy per row,
-  rows sorted by length and cut into micro-batches of at most --micro-batch-tokens padded tokens);
+  rows sorted by length and cut into micro-batches of at most --micro-batch-tokens padded tokens),
+  each response attending to its prompt and itself only (relayrl.models.segments);
+- dense: the same rows through SDPA with the dense [rows, L, L] mask (how packed rows attended before);
 - sorted: the Packer without prompt sharing (one sequence per row, length-sorted micro-batches);
 - padded: the usual baseline (TRL-style): one sequence per row, --padded-rows rows per micro-batch in
   batch order, every row padded to the longest sequence of the batch.
@@ -34,7 +36,7 @@ import time
 
 import _common
 
-VARIANTS = ("packed", "sorted", "padded")
+VARIANTS = ("packed", "dense", "sorted", "padded")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="measured steps per variant (after 1 warm-up step)")
     p.add_argument("--autocast-bf16", action=argparse.BooleanOptionalAction, default=True,
                    help="bf16 autocast in forward/backward (fp32 weights), as the example configs train")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="as the README job trains")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     p.add_argument("--device", default="cpu", help="where the model trains: cpu, cuda, cuda:N or auto")
     p.add_argument("--seed", type=int, default=0)
@@ -113,12 +117,13 @@ def layout(a, variant: str, samples: list, pad_id: int):
 
     if variant == "padded":
         return padded_batch(samples, a.padded_rows, pad_id)
-    return Packer(a.micro_batch_tokens, pad_id, share_prompt=variant == "packed").pack(samples)
+    return Packer(a.micro_batch_tokens, pad_id, share_prompt=variant in ("packed", "dense")).pack(samples)
 
 
 # ---- measurement -----------------------------------------------------------------------------------------
 def train_once(a, ctl, variant: str, samples: list, pad_id: int) -> dict:
     """One step as TrainController.fit runs it, with this variant's layout; timed from layout to step."""
+    ctl.engine.segments = variant == "packed"  # dense: the same rows, attention through the dense mask
     t0 = time.perf_counter()
     batch = layout(a, variant, samples, pad_id)
     for stage in (ctl.compute_old_logprobs, ctl.compute_ref_logprobs, ctl.compute_values, ctl.compute_advantages):
@@ -144,12 +149,14 @@ def run(a, model_path: str) -> dict[str, list[dict]]:
     torch.set_num_threads(a.threads)
     tok = load_tokenizer(model_path)
     engine = TrainEngine.from_pretrained(model_path, dtype="float32", lr=1e-12, autocast_bf16=a.autocast_bf16,
-                                         device=a.device)
+                                         device=a.device, gradient_checkpointing=a.gradient_checkpointing)
     ctl = TrainController(engine, AlgoConfig(), TrainConfig(lr=1e-12, micro_batch_tokens=a.micro_batch_tokens),
                           pad_id=tok.pad_token_id, max_new_tokens=a.max_new_tokens)
-    steps: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    variants = a.variants.split(",")
+    steps: dict[str, list[dict]] = {v: [] for v in variants}
     for k, samples in enumerate(make_batches(a, tok, engine.model.config.vocab_size)):
-        for v in VARIANTS[k % 3:] + VARIANTS[: k % 3]:  # rotate the order: no variant always runs first
+        r = k % len(variants)
+        for v in variants[r:] + variants[:r]:  # rotate the order: no variant always runs first
             steps[v].append(train_once(a, ctl, v, samples, tok.pad_token_id))
             print(f"step {k} {v}: {steps[v][-1]['step_s']:.2f} s", file=sys.stderr, flush=True)
     return steps
@@ -179,16 +186,17 @@ def main() -> None:
     metrics = {v: summarize(s) for v, s in steps.items()}
     tps = {v: m["tokens_per_s"] for v, m in metrics.items()}
     losses = [m["loss"] for m in metrics.values()]
-    lengths = [s["tokens"] for s in steps["packed"]]
+    lengths = [s["tokens"] for s in next(iter(steps.values()))]
     result = {**_common.result_header("train_step"), "metrics": metrics,
-              "ratios": {"packed_vs_padded_tok_s": tps["packed"] / tps["padded"],
-                         "packed_vs_sorted_tok_s": tps["packed"] / tps["sorted"],
-                         "sorted_vs_padded_tok_s": tps["sorted"] / tps["padded"]},
+              "ratios": {f"{x}_vs_{y}_tok_s": tps[x] / tps[y] for x, y in
+                         (("packed", "padded"), ("packed", "sorted"), ("sorted", "padded"), ("packed", "dense"))
+                         if x in tps and y in tps},
               "workload": {"model": model, "prompts": a.prompts, "group": a.group, "dataset": "gsm8k:train",
                            "response_lengths": {"dist": "lognormal", "median": a.resp_median, "sigma": a.resp_sigma,
                                                 "max": a.max_new_tokens},
                            "sequence_tokens_per_step": lengths, "micro_batch_tokens": a.micro_batch_tokens,
                            "padded_rows": a.padded_rows, "autocast_bf16": a.autocast_bf16, "train_dtype": "float32",
+                           "gradient_checkpointing": a.gradient_checkpointing, "variants": list(steps),
                            "warmup_steps": 1, "measured_steps": a.steps, "threads": a.threads, "seed": a.seed,
                            "device": a.device},
               "checks": {"loadavg_1min_at_start": load,

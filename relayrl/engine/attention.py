@@ -10,9 +10,9 @@ The kernel reads and writes CPU memory through raw pointers, so it is for CPU te
 is on a GPU always uses SDPA (LocalEngine logs why), and `decode_attention` refuses anything else rather than
 hand a device pointer to C.
 
-The model reaches the kernel through transformers' AttentionInterface: `install(model)` switches an SDPA model to
-the "relayrl_slots" implementation, which is SDPA unless the call carries `relayrl_cache` (a SlotKVCache in fused
-decode mode): other uses of the same model (the trainer's forward, prefill) are unchanged.
+The model reaches the kernel through relayrl's attention entry point (relayrl.models.attention.install), which calls
+`SlotKVCache.attend` when a forward carries `relayrl_cache` in fused decode mode and leaves every other use of the
+same model (the trainer's forward, prefill) to SDPA or the trainer's shared-prompt attention.
 """
 
 from __future__ import annotations
@@ -23,14 +23,12 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from relayrl.common.cbuild import build_library, kernels_enabled
+from relayrl.models.attention import install as install  # LocalEngine routes the model's attention here
 
 log = logging.getLogger(__name__)
 
-NAME = "relayrl_slots"
 _SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _LIBS = ["-lmvec", "-lm"]  # -ffast-math vectorises expf through glibc's vector math library
@@ -82,21 +80,3 @@ def decode_attention(lib: ctypes.CDLL, query: torch.Tensor, key: torch.Tensor, v
     if rc != 0:
         raise RuntimeError(f"decode-attention kernel refused heads={heads} kv_heads={kvh} head_dim={dim}")
     return out
-
-
-def slot_attention(module, query, key, value, attention_mask, scaling=None, relayrl_cache=None, **kwargs):
-    """transformers attention function: the kernel for a fused decode step, SDPA for everything else."""
-    if relayrl_cache is None or not relayrl_cache.fused:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    if kwargs.get("sliding_window") or kwargs.get("softcap"):
-        raise RuntimeError("relayrl's decode kernel has no sliding window or softcap")
-    return relayrl_cache.attend(module.layer_idx, query, key, value, scaling or query.shape[-1] ** -0.5), None
-
-
-def install(model: torch.nn.Module) -> bool:
-    """Route `model`'s attention through slot_attention; False (model untouched) unless it runs SDPA."""
-    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", NAME):
-        return False
-    AttentionInterface.register(NAME, slot_attention)
-    model.set_attn_implementation(NAME)
-    return model.config._attn_implementation == NAME

@@ -22,6 +22,7 @@ import torch
 from relayrl.common.device import model_device
 from relayrl.common.utils import trim_memory
 from relayrl.models import load_model
+from relayrl.models.attention import install as install_attention
 from relayrl.trainer.algo import reduce_stats
 from relayrl.trainer.logprobs import token_logprobs, weight_grad_into_param
 from relayrl.trainer.lora import adapter_tensors, is_lora
@@ -46,6 +47,8 @@ class TrainEngine:
         self._trainable = bool(params)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # shared-prompt rows attend without their dense mask where the model runs SDPA (relayrl.models.segments)
+        self.segments = install_attention(model)
         self.temperature = temperature if temperature > 0 else 1.0
         self.grad_clip = grad_clip
         self.autocast_bf16 = autocast_bf16
@@ -75,8 +78,7 @@ class TrainEngine:
         return logp.cpu(), None if entropy is None else entropy.cpu()
 
     def _token_logprobs(self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool):
-        hidden = self.model.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                                          position_ids=mb.position_ids, use_cache=False).last_hidden_state
+        hidden = self.model.get_decoder()(**decoder_inputs(mb, self.segments)).last_hidden_state
         return head_logprobs(self.model, hidden[mb.rows, mb.cols], mb.targets, self.temperature,
                              with_entropy, entropy_grad)
 
@@ -187,3 +189,11 @@ def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad
         stats["skipped_nonfinite_step"] = 1.0
     optimizer.zero_grad(set_to_none=True)
     return stats
+
+
+def decoder_inputs(mb: MicroBatch, segments: bool) -> dict:
+    """The decoder's keyword arguments for `mb`; with `segments` (the model runs relayrl's attention), shared-prompt
+    rows also carry their layout, which transformers passes down to every attention call."""
+    extra = {"relayrl_segments": mb.layout} if segments and mb.layout is not None else {}
+    return {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "position_ids": mb.position_ids,
+            "use_cache": False, **extra}

@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from relayrl.models.attention import install as install_attention
 from relayrl.trainer.algo import reduce_stats
-from relayrl.trainer.engine import LossFn, TrainEngine, head_logprobs
+from relayrl.trainer.engine import LossFn, TrainEngine, decoder_inputs, head_logprobs
 from relayrl.trainer.packer import MicroBatch, balance_ranks
 
 
@@ -73,10 +74,10 @@ class _TrainedPositions(torch.nn.Module):
     def __init__(self, lm: torch.nn.Module):
         super().__init__()
         self.lm = lm
+        self.segments = install_attention(lm)  # before sharding: shared-prompt rows without the dense mask
 
     def forward(self, mb: MicroBatch, temperature: float, with_entropy: bool, entropy_grad: bool):
-        hidden = self.lm.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                                       position_ids=mb.position_ids, use_cache=False).last_hidden_state
+        hidden = self.lm.get_decoder()(**decoder_inputs(mb, self.segments)).last_hidden_state
         return head_logprobs(self.lm, hidden[mb.rows, mb.cols], mb.targets, temperature, with_entropy, entropy_grad)
 
 

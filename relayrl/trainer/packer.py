@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from relayrl.models.segments import SegmentLayout, segment_layout
 from relayrl.sample import Sample
 
 
@@ -27,6 +28,7 @@ class MicroBatch:
     targets: torch.Tensor  # [N] the trained token ids
     position_ids: torch.Tensor | None = None  # [rows, L] when rows hold several sequences
     real_tokens: int = 0  # non-padding positions (each shared prompt counted once)
+    layout: SegmentLayout | None = None  # shared-prompt rows: attention without the dense mask (models.segments)
 
     @property
     def num_tokens(self) -> int:
@@ -43,7 +45,7 @@ class MicroBatch:
             return self
         moved = {f.name: getattr(self, f.name).to(device, non_blocking=True) for f in dataclasses.fields(self)
                  if isinstance(getattr(self, f.name), torch.Tensor)}
-        return dataclasses.replace(self, **moved)
+        return dataclasses.replace(self, **moved, layout=self.layout and self.layout.to(device))
 
 
 @dataclass
@@ -130,6 +132,7 @@ class Packer:
         segment = torch.full((len(rows), width), -1, dtype=torch.long)  # -1 pad, 0 prompt, j>0 response j
         positions = torch.zeros((len(rows), width), dtype=torch.long)
         r_idx, cols, targets, order = [], [], [], []
+        prompt_lens, spans = [], []  # per row: prompt length, (start, length) of each response
         for r, row in enumerate(rows):
             prompt = samples[row[0]].prompt_ids
             p = len(prompt)
@@ -137,6 +140,8 @@ class Packer:
             segment[r, :p] = 0
             positions[r, :p] = torch.arange(p)
             start = p
+            prompt_lens.append(p)
+            spans.append([])
             for j, i in enumerate(row, 1):
                 resp, mask = samples[i].response_ids, samples[i].loss_mask
                 n = len(resp)
@@ -149,12 +154,14 @@ class Packer:
                         cols.append(p - 1 if t == 0 else start + t - 1)
                         targets.append(resp[t])
                 order.append(i)
+                spans[-1].append((start, n))
                 start += n
         shared = any(len(row) > 1 for row in rows)
         mask = _segment_mask(segment) if shared else (segment >= 0).long()
         return MicroBatch(order, input_ids, mask, torch.tensor(r_idx, dtype=torch.long),
                           torch.tensor(cols, dtype=torch.long), torch.tensor(targets, dtype=torch.long),
-                          positions if shared else None, int((segment >= 0).sum()))
+                          positions if shared else None, int((segment >= 0).sum()),
+                          segment_layout(prompt_lens, spans, width) if shared else None)
 
 
 def _row_len(samples: list[Sample], row: list[int]) -> int:

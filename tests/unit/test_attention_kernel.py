@@ -92,9 +92,9 @@ def test_without_the_kernel_the_engine_uses_sdpa_and_kernel_mode_says_why(tiny_p
 
 @needs_cc
 def test_a_model_whose_layers_bypass_the_kernel_is_caught_at_construction(tiny_path, monkeypatch):
-    """If the model's attention never reaches slot_attention (here: it stays plain SDPA), a fused step would
-    attend over the new token alone; the construction-time decode fails (here SDPA's mask no longer fits; else
-    the count of kernel layers) and the engine falls back instead of failing."""
+    """If the model's attention never reaches relayrl's attention entry point (here: it stays plain SDPA), a fused
+    step would attend over the new token alone; the construction-time decode fails (here SDPA's mask no longer
+    fits; else the count of kernel layers) and the engine falls back instead of failing."""
     monkeypatch.setattr(attention, "install", lambda model: True)  # claims success, routes nothing
     eng = LocalEngine(load_model(tiny_path, dtype="float32"), eos_token_ids=[])
     assert eng.attention == "sdpa"

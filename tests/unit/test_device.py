@@ -97,4 +97,6 @@ def test_a_micro_batch_moves_every_tensor_and_stays_itself_on_the_cpu():
     tensors = ("input_ids", "attention_mask", "rows", "cols", "targets", "position_ids")
     assert all(getattr(moved, name).device.type == "meta" for name in tensors)
     assert all(getattr(mb, name).device.type == "cpu" for name in tensors)  # the packed batch is untouched
+    layout = (moved.layout.out_index, *(t for b in moved.layout.buckets for t in (b.q_index, b.kv_index, b.mask)))
+    assert all(t.device.type == "meta" for t in layout)  # the shared-prompt attention's indices go along
     assert (moved.sample_idx, moved.real_tokens, moved.num_tokens) == (mb.sample_idx, mb.real_tokens, mb.num_tokens)

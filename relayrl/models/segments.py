@@ -1,0 +1,185 @@
+"""Attention over shared-prompt rows: a training row [prompt, response 1, ..., response G] without the dense mask.
+
+In such a row (relayrl.trainer.packer) each response sees the prompt and itself only. SDPA with that mask computes
+every query against every key of the row (rows x L^2 scores) and masks afterwards; a GRPO group's row of 8 responses
+then spends most of its attention on scores it throws away: attention was ~20% of a training step at the README
+job's shapes (docs/benchmarks.md). Here the prompt attends causally to itself, and each response attends to [its
+row's prompt, itself], responses of similar length batched together: G x n x (P + n) scores instead of
+(P + G n)^2. The same outputs and gradients up to float rounding (tests/unit/test_segment_attention.py); autograd
+differentiates it, nothing is hand-written. Pure torch: the packer builds layouts without loading transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_BUCKETS = 4  # SDPA calls per layer for the responses: fewer pads more, more costs per-call overhead
+DENSE_RATIO = 0.8  # use the segments only where their scores are at most this share of the dense mask's
+
+
+@dataclass
+class Bucket:
+    """Responses of similar length, each padded to the longest (`span`) and laid out [prompt keys, own keys]."""
+
+    span: int
+    q_index: torch.Tensor  # [n * span] flat (row * L + position) index of each query; pads repeat a real one
+    kv_index: torch.Tensor  # [n * (P + span)] the row's first P positions, then the response's own positions
+    mask: torch.Tensor  # [n, 1, span, P + span] bool: the row's real prompt keys, own keys up to the query
+
+
+@dataclass
+class SegmentLayout:
+    """Where every query of a shared-prompt micro-batch finds its keys; built once per micro-batch on the CPU."""
+
+    prompt_len: int  # P: the longest prompt of the micro-batch's rows
+    buckets: list[Bucket]
+    out_index: torch.Tensor  # [rows * L] each position's output in cat(prompt part, bucket parts)
+
+    def to(self, device: torch.device | str) -> SegmentLayout:
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        buckets = [Bucket(b.span, move(b.q_index), move(b.kv_index), move(b.mask)) for b in self.buckets]
+        return SegmentLayout(self.prompt_len, buckets, move(self.out_index))
+
+
+def _buckets(lengths: list[int], prompt_len: int) -> list[list[int]]:
+    """Split response indices, longest first, into at most MAX_BUCKETS runs that minimise the scores computed
+    (each run costs count x longest x (prompt_len + longest)); a small dynamic programme over the sorted lengths."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    n = len(order)
+
+    def cost(i: int, j: int) -> int:  # run order[i:j], padded to its first (longest) length
+        span = lengths[order[i]]
+        return (j - i) * span * (prompt_len + span)
+
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(MAX_BUCKETS + 1)]  # best[k][j]: first j responses in k runs
+    cut = [[0] * (n + 1) for _ in range(MAX_BUCKETS + 1)]
+    best[0][0] = 0
+    for k in range(1, MAX_BUCKETS + 1):
+        for j in range(1, n + 1):
+            for i in range(k - 1, j):
+                c = best[k - 1][i] + cost(i, j)
+                if c < best[k][j]:
+                    best[k][j], cut[k][j] = c, i
+    k = min(range(1, MAX_BUCKETS + 1), key=lambda k: best[k][n])
+    runs, j = [], n
+    while k > 0:
+        i = cut[k][j]
+        runs.append(order[i:j])
+        j, k = i, k - 1
+    return runs[::-1]
+
+
+def segment_layout(prompt_lens: list[int], responses: list[list[tuple[int, int]]], width: int) -> SegmentLayout | None:
+    """The layout of rows [prompt, responses...] of `width` positions: prompt_lens[r] and the (start, length) of
+    each response of row r. None where it would not save work over the dense mask (few, long responses)."""
+    rows, pmax = len(prompt_lens), max(prompt_lens)
+    segs = [(r, start, n) for r, resp in enumerate(responses) for start, n in resp if n > 0]
+    if not segs:
+        return None
+    runs = _buckets([n for _, _, n in segs], pmax)
+    seg_cost = rows * pmax * pmax // 2 + sum(len(run) * segs[run[0]][2] * (pmax + segs[run[0]][2]) for run in runs)
+    if seg_cost > DENSE_RATIO * rows * width * width:
+        return None
+    out_index = torch.zeros(rows * width, dtype=torch.long)  # pads read output 0: unused, never attended to
+    for r, p in enumerate(prompt_lens):
+        out_index[r * width: r * width + p] = torch.arange(r * pmax, r * pmax + p)
+    buckets, offset = [], rows * pmax
+    for run in runs:
+        span = segs[run[0]][2]
+        q_index = torch.empty(len(run), span, dtype=torch.long)
+        kv_index = torch.empty(len(run), pmax + span, dtype=torch.long)
+        mask = torch.zeros(len(run), 1, span, pmax + span, dtype=torch.bool)
+        causal = torch.ones(span, span, dtype=torch.bool).tril_()
+        for k, s in enumerate(run):
+            r, start, n = segs[s]
+            own = torch.arange(r * width + start, r * width + start + n)
+            q_index[k, :n], q_index[k, n:] = own, own[0]
+            kv_index[k, :pmax] = torch.arange(r * width, r * width + pmax)
+            kv_index[k, pmax:pmax + n], kv_index[k, pmax + n:] = own, own[0]
+            mask[k, 0, :, :prompt_lens[r]] = True  # pad queries (t >= n) see the prompt only: finite, unused
+            mask[k, 0, :n, pmax:pmax + n] = causal[:n, :n]
+            out_index[own] = torch.arange(offset + k * span, offset + k * span + n)
+        buckets.append(Bucket(span, q_index.view(-1), kv_index.view(-1), mask))
+        offset += len(run) * span
+    return SegmentLayout(pmax, buckets, out_index)
+
+
+class _MaskedAttention(torch.autograd.Function):
+    """softmax(q k^T scale, masked) v, the probabilities recomputed in backward (as flash attention does), so that no
+    [.., queries, keys] tensor is kept between forward and backward. Plain matmuls, because PyTorch's CPU flash
+    kernel costs about as much per (batch, head) task as it saves at these small shapes: its backward over a
+    bucket's many short rows took as long as over the dense rows (docs/benchmarks.md).
+
+    q [n, kv_heads, group * t, d] (the query heads sharing a key head stacked along the queries), k and v
+    [n, kv_heads, keys, d], mask [n, 1, t, keys] bool with at least one key visible per query."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale, group):
+        p = _probs(q, k, mask, scale, group)
+        top = p.amax(-1, keepdim=True)
+        p = p.sub_(top).exp_()
+        total = p.sum(-1, keepdim=True)
+        out = torch.matmul(p.div_(total).to(v.dtype), v)
+        lse = total.log_().add_(top)  # what backward needs to rebuild the probabilities with one exp
+        ctx.save_for_backward(q, k, v, mask, lse, out)
+        ctx.scale, ctx.group = scale, group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, mask, lse, out = ctx.saved_tensors
+        p = _probs(q, k, mask, ctx.scale, ctx.group).sub_(lse).exp_()
+        dv = torch.matmul(p.to(v.dtype).transpose(-1, -2), dout)
+        dp = _wide(torch.matmul(dout, v.transpose(-1, -2)))
+        dp = dp.sub_((_wide(dout) * _wide(out)).sum(-1, keepdim=True))
+        ds = p.mul_(dp).mul_(ctx.scale).to(q.dtype)
+        return torch.matmul(ds, k), torch.matmul(ds.transpose(-1, -2), q), dv, None, None, None
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 at least: softmax statistics of bf16 scores are kept in fp32, float64 stays float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _probs(q, k, mask, scale, group) -> torch.Tensor:
+    """The masked, scaled scores, fp32 or wider: -inf where the mask hides a key."""
+    n, kv_heads, rows, keys = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    s = _wide(torch.matmul(q, k.transpose(-1, -2))).mul_(scale)
+    s.view(n, kv_heads, group, rows // group, keys).masked_fill_(~mask[:, :, None], float("-inf"))
+    return s
+
+
+def _attend(query, key, value, mask, scaling) -> torch.Tensor:
+    """query [n, H, t, D], key/value [n, KVH, keys, D], mask [n, 1, t, keys] -> [n, t, H, D]."""
+    n, heads, t, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    q = query.reshape(n, kv_heads, group * t, dim)  # head h reads key head h // group, as transformers' repeat_kv
+    out = _MaskedAttention.apply(q, key, value, mask, scaling or dim ** -0.5, group)
+    return out.view(n, heads, t, dim).transpose(1, 2)
+
+
+def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SegmentLayout,
+                      scaling: float | None = None) -> torch.Tensor:
+    """Attention of rows [prompt, responses...]: query [rows, H, L, D], key/value [rows, KVH, L, D] -> [rows, L,
+    H, D] (transformers' layout after attention)."""
+    rows, heads, width, dim = query.shape
+    kv_heads, pmax = key.shape[1], layout.prompt_len
+    causal = torch.ones(pmax, pmax, dtype=torch.bool, device=query.device).tril_().expand(rows, 1, pmax, pmax)
+    prompt = _attend(query[:, :, :pmax], key[:, :, :pmax], value[:, :, :pmax], causal, scaling)
+    parts = [prompt.reshape(rows * pmax, heads, dim)]
+    q = query.transpose(1, 2).reshape(rows * width, heads, dim)
+    k = key.transpose(1, 2).reshape(rows * width, kv_heads, dim)
+    v = value.transpose(1, 2).reshape(rows * width, kv_heads, dim)
+    for b in layout.buckets:
+        n = b.mask.shape[0]
+        qb = q.index_select(0, b.q_index).view(n, b.span, heads, dim).transpose(1, 2)
+        kb = k.index_select(0, b.kv_index).view(n, pmax + b.span, kv_heads, dim).transpose(1, 2)
+        vb = v.index_select(0, b.kv_index).view(n, pmax + b.span, kv_heads, dim).transpose(1, 2)
+        parts.append(_attend(qb, kb, vb, b.mask, scaling).reshape(n * b.span, heads, dim))
+    return torch.cat(parts).index_select(0, layout.out_index).view(rows, width, heads, dim)
