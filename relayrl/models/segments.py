@@ -47,29 +47,33 @@ class SegmentLayout:
 
 def _buckets(lengths: list[int], prompt_len: int) -> list[list[int]]:
     """Split response indices, longest first, into at most MAX_BUCKETS runs that minimise the scores computed
-    (each run costs count x longest x (prompt_len + longest)); a small dynamic programme over the sorted lengths."""
+    (each run costs count x longest x (prompt_len + longest)): a small dynamic programme over the distinct lengths,
+    since a cut between two equal lengths never helps."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    n = len(order)
+    distinct = sorted(set(lengths), reverse=True)
+    counts = [0] * (len(distinct) + 1)  # counts[j]: responses longer than distinct[j]
+    for j, n in enumerate(distinct):
+        counts[j + 1] = counts[j] + lengths.count(n)
+    d = len(distinct)
 
-    def cost(i: int, j: int) -> int:  # run order[i:j], padded to its first (longest) length
-        span = lengths[order[i]]
-        return (j - i) * span * (prompt_len + span)
+    def cost(i: int, j: int) -> int:  # distinct lengths i..j-1 in one run, padded to distinct[i]
+        return (counts[j] - counts[i]) * distinct[i] * (prompt_len + distinct[i])
 
     inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(MAX_BUCKETS + 1)]  # best[k][j]: first j responses in k runs
-    cut = [[0] * (n + 1) for _ in range(MAX_BUCKETS + 1)]
+    best = [[inf] * (d + 1) for _ in range(MAX_BUCKETS + 1)]  # best[k][j]: the first j lengths in k runs
+    cut = [[0] * (d + 1) for _ in range(MAX_BUCKETS + 1)]
     best[0][0] = 0
     for k in range(1, MAX_BUCKETS + 1):
-        for j in range(1, n + 1):
+        for j in range(1, d + 1):
             for i in range(k - 1, j):
                 c = best[k - 1][i] + cost(i, j)
                 if c < best[k][j]:
                     best[k][j], cut[k][j] = c, i
-    k = min(range(1, MAX_BUCKETS + 1), key=lambda k: best[k][n])
-    runs, j = [], n
+    k = min(range(1, min(MAX_BUCKETS, d) + 1), key=lambda k: best[k][d])
+    runs, j = [], d
     while k > 0:
         i = cut[k][j]
-        runs.append(order[i:j])
+        runs.append(order[counts[i]:counts[j]])
         j, k = i, k - 1
     return runs[::-1]
 

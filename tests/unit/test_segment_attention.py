@@ -73,6 +73,22 @@ def test_buckets_cover_every_response_once_and_pad_less_than_one_bucket():
     assert cost(runs) < 0.6 * cost([list(range(len(lengths)))])
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_buckets_are_the_cheapest_split_into_runs_of_sorted_lengths(seed):
+    import itertools
+
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 30) for _ in range(rng.randint(1, 9))]
+
+    def cost(runs):
+        return sum(len(run) * max(lengths[i] for i in run) * (5 + max(lengths[i] for i in run)) for run in runs)
+
+    ranked = sorted(lengths, reverse=True)
+    best = min(sum(len(r) * r[0] * (5 + r[0]) for r in (ranked[a:b] for a, b in zip((0, *cuts), (*cuts, len(ranked)))))
+               for k in range(segments.MAX_BUCKETS) for cuts in itertools.combinations(range(1, len(ranked)), k))
+    assert cost(_buckets(lengths, prompt_len=5)) == best
+
+
 def test_layout_only_where_it_saves_work():
     # a GRPO group in one row: 8 responses of ~40 tokens after a 45-token prompt (the README job's shapes)
     group = [(45 + 40 * j, 40) for j in range(8)]
