@@ -5,8 +5,9 @@ every query against every key of the row (rows x L^2 scores) and masks afterward
 then spends most of its attention on scores it throws away: attention was ~20% of a training step at the README
 job's shapes (docs/benchmarks.md). Here the prompt attends causally to itself, and each response attends to [its
 row's prompt, itself], responses of similar length batched together: G x n x (P + n) scores instead of
-(P + G n)^2. The same outputs and gradients up to float rounding (tests/unit/test_segment_attention.py); autograd
-differentiates it, nothing is hand-written. Pure torch: the packer builds layouts without loading transformers.
+(P + G n)^2. The attention itself is plain matmuls with a hand-written backward that recomputes the probabilities
+(`_MaskedAttention`); outputs and gradients equal SDPA with the dense mask up to float rounding
+(tests/unit/test_segment_attention.py). Pure torch: the packer builds layouts without loading transformers.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_BUCKETS = 4  # SDPA calls per layer for the responses: fewer pads more, more costs per-call overhead
+MAX_BUCKETS = 4  # attention calls per layer for the responses: fewer pads more, more costs per-call overhead
 DENSE_RATIO = 0.8  # use the segments only where their scores are at most this share of the dense mask's
 
 
