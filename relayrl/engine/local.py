@@ -11,6 +11,8 @@ the step lock, so no forward ever mixes two policies, and every token is stamped
 of the weights that sampled it. Running sequences then continue with the new weights (partial
 rollout); with kv_on_update="recompute" their KV cache is first rebuilt under the new weights.
 LoRA adapters (relayrl.trainer.lora) arrive the same way and are merged into a copy of the base weights.
+fp32 weights arriving at a bf16 engine are rounded stochastically (weight_rounding="stochastic"): rounded to
+nearest, updates smaller than half a bf16 step would never reach it (relayrl.trainer.optim.round_to_bf16_).
 
 Memory: `kv_cache_bytes` caps the slot KV cache (slots x length x bytes per token): a request joins the batch
 only while the grown cache still fits, the rest wait in the queue (never dropped), so eval sets of any size or
@@ -48,6 +50,7 @@ from relayrl.engine.kv_cache import SlotKVCache
 from relayrl.engine.sampling import sample_tokens
 from relayrl.models import eos_token_ids, load_model, load_tokenizer
 from relayrl.trainer.lora import is_adapter_name, merge_into
+from relayrl.trainer.optim import round_to_bf16_
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +84,11 @@ class LocalEngine:
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: Iterable[int], max_batch_size: int = 64,
                  max_seq_len: int | None = None, seed: int = 0, max_tokens_in_flight: int | None = None,
                  prefix_cache_size: int = 64, kv_on_update: str = "recompute", attention: str = "auto",
-                 owns_weights: bool = True, kv_cache_bytes: int | None = None):
+                 owns_weights: bool = True, kv_cache_bytes: int | None = None, weight_rounding: str = "stochastic"):
         if kv_on_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_update must be 'recompute' or 'keep', got {kv_on_update!r}")
+        if weight_rounding not in ("stochastic", "nearest"):
+            raise ValueError(f"weight_rounding must be 'stochastic' or 'nearest', got {weight_rounding!r}")
         if attention not in ("auto", "kernel", "sdpa"):
             raise ValueError(f"attention must be 'auto', 'kernel' or 'sdpa', got {attention!r}")
         cfg = model.config
@@ -106,6 +111,7 @@ class LocalEngine:
         self._released: dict[int, tuple] = {}  # id -> (parameter, shape) of weights emptied by release_memory
         # False when the model is the trainer's own (colocated sync RL in the trainer's dtype): never released
         self.owns_weights = owns_weights
+        self.seed, self.weight_rounding = seed, weight_rounding
         self._generator = torch.Generator().manual_seed(seed)  # a CPU generator on any device (sampling.py)
         self._sample_work = torch.empty(0, device=self.device)  # sampling's float32 scratch, grown as needed
         self.max_tokens_in_flight, self.kv_on_update = max_tokens_in_flight, kv_on_update
@@ -188,7 +194,7 @@ class LocalEngine:
                     raise KeyError(f"engine model has no parameter {name!r}")
                 dst = self._state[name]
                 if dst.data_ptr() != tensor.data_ptr():  # an engine sharing the trainer's weights has them already
-                    dst.copy_(tensor)
+                    self._copy_weight(dst, tensor, (version * 1_000_003 + len(written)) * 7919 + self.seed)
                 written.add(id(dst))
                 self._lora_base.pop(name, None)
             if missing := [n for n, t in self._params.items() if id(t) in released and id(t) not in written]:
@@ -200,6 +206,14 @@ class LocalEngine:
             if self.kv_on_update == "recompute":
                 for seq in self._active:
                     seq.refill = True
+
+    def _copy_weight(self, dst: torch.Tensor, src: torch.Tensor, seed: int) -> None:
+        """dst <- src; fp32 into a bf16 engine rounds stochastically unless weight_rounding="nearest" (why:
+        relayrl.trainer.optim.round_to_bf16_). The seed is a function of (engine seed, version, tensor)."""
+        if self.weight_rounding == "stochastic" and dst.dtype == torch.bfloat16 and src.dtype == torch.float32:
+            round_to_bf16_(dst, src.detach(), seed)
+        else:
+            dst.copy_(src)
 
     def load_weights_from_disk(self, path: str, version: int) -> None:
         """Load every *.safetensors file of a folder (e.g. a saved HF model) as new weights."""

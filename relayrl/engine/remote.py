@@ -42,6 +42,7 @@ import torch
 
 from relayrl.common.net import check_address
 from relayrl.engine.base import GenOutput, SamplingParams
+from relayrl.trainer.optim import rounded_to_bf16
 from relayrl.weights.transport import save_weights_version
 from relayrl.weights.weight_group import BACKENDS, DistributedSync
 
@@ -71,7 +72,8 @@ class RemoteEngine:
     def __init__(self, address: str, *, backend: str = "sglang", api_key: str | None = None,
                  model: str | None = None, timeout: float = 600.0, connect_timeout: float = 5.0, retries: int = 3,
                  backoff: float = 0.5, weights_dir: str | None = None, weight_sync: str = "disk",
-                 weight_sync_backend: str = "auto", weight_group: DistributedSync | None = None):
+                 weight_sync_backend: str = "auto", weight_group: DistributedSync | None = None,
+                 send_bf16: bool = False):
         if backend not in ("sglang", "vllm"):
             raise ValueError(f"backend must be 'sglang' or 'vllm', got {backend!r}")
         if retries < 0 or timeout <= 0 or connect_timeout <= 0:
@@ -80,6 +82,7 @@ class RemoteEngine:
         self.address, self.backend, self.model = check_address(address), backend, model
         self.timeout, self.connect_timeout, self.retries, self.backoff = timeout, connect_timeout, retries, backoff
         self.weights_dir = Path(weights_dir) if weights_dir else None
+        self.send_bf16 = send_bf16  # fp32 weights go out as bf16, rounded stochastically (the server runs bf16)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._version = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -248,7 +251,10 @@ class RemoteEngine:
         weights_dir, so the first engine to get a version writes it and the others load the same folder.
         The folder must be readable by the server (same machine, or a shared filesystem).
         With weight_sync="distributed" the weights are broadcast instead (see `DistributedSync`).
+        With send_bf16, fp32 tensors are sent as bf16 rounded stochastically (relayrl.trainer.optim.rounded_to_bf16).
         """
+        if self.send_bf16:
+            named_tensors = rounded_to_bf16(named_tensors, version)
         if self.weight_group is not None:
             self.weight_group.update(self, named_tensors, version)
             self._version = version

@@ -140,13 +140,13 @@ def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) 
 
 
 def resolve_precision(cfg: Config, quiet: bool = False) -> Config:
-    """engine.dtype "auto" -> float32 on CPUs, bf16 on GPUs that have it; model.autocast_bf16 "auto" -> bf16
-    autocast in the trainer where bf16 is native (a bf16 GPU, a CPU with AVX512-BF16 or AMX), on the run's device
-    (run.device; relayrl.common.hardware). The choice and its reason are printed once (the first
-    line of the run's start block, relayrl/tracking/progress.py); config.yaml records the resolved dtypes
-    (run.device stays as set: "auto" resolves again where the run resumes)."""
+    """engine.dtype "auto" -> bf16 where bf16 is native (unless model.autocast_bf16 is false on a CPU), else
+    float32; model.autocast_bf16 "auto" -> bf16 autocast in the trainer where bf16 is native (a bf16 GPU, a CPU
+    with AVX512-BF16 or AMX), on the run's device (run.device; relayrl.common.hardware). The choice and its
+    reason are printed once (the first line of the run's start block, relayrl/tracking/progress.py); config.yaml
+    records the resolved dtypes (run.device stays as set: "auto" resolves again where the run resumes)."""
     device = resolve_device(cfg.run.device)
-    dtype, why = resolve_dtype(cfg.engine.dtype, device.type)
+    dtype, why = resolve_dtype(cfg.engine.dtype, device.type, cfg.model.autocast_bf16)
     autocast = resolve_autocast(cfg.model.autocast_bf16, dtype, device.type)
     if not quiet:
         print(f"precision: engine {dtype}, trainer {cfg.model.train_dtype}{' + bf16 autocast' if autocast else ''} "
@@ -328,7 +328,7 @@ def make_engines(cfg: Config, model_path: str, eos: list[int], run_dir: Path, la
     if e.kind == "local":
         kw = dict(eos_token_ids=eos, max_batch_size=e.max_batch_size, max_seq_len=e.max_seq_len,
                   max_tokens_in_flight=e.max_tokens_in_flight, prefix_cache_size=e.prefix_cache_size,
-                  kv_on_update=e.kv_on_update, attention=e.attention,
+                  kv_on_update=e.kv_on_update, attention=e.attention, weight_rounding=e.weight_rounding,
                   kv_cache_bytes=None if e.kv_cache_gb is None else int(e.kv_cache_gb * 1e9))
         if shared_model is not None:
             return [LocalEngine(shared_model, seed=cfg.run.seed, owns_weights=False, **kw)]
@@ -338,7 +338,8 @@ def make_engines(cfg: Config, model_path: str, eos: list[int], run_dir: Path, la
     engines = RemoteEngine.for_servers(e.addresses or launched, backend=e.backend, api_key=e.api_key,
                                        timeout=e.request_timeout, retries=e.retries,
                                        weights_dir=weights_dir(cfg, run_dir),
-                                       weight_sync=e.weight_sync, weight_sync_backend=e.weight_sync_backend)
+                                       weight_sync=e.weight_sync, weight_sync_backend=e.weight_sync_backend,
+                                       send_bf16=e.dtype == "bfloat16" and e.weight_rounding == "stochastic")
     try:
         for engine in engines:
             engine.wait_ready(timeout=30.0)

@@ -1,4 +1,5 @@
-"""AdamW for the trainer: torch's fused kernel, or a variant that keeps its two moments in bfloat16.
+"""AdamW for the trainer: torch's fused kernel, or a variant that keeps its two moments in bfloat16; and the
+stochastic rounding into bf16 that both this optimizer and a bf16 engine's weight sync need (`round_to_bf16_`).
 
 fp32 weights + gradients + AdamW moments cost 16 bytes per parameter; the moments are half of it. With
 `train.optimizer_state_dtype: bfloat16` they are stored in bf16 (12 bytes per parameter: -0.54 GB at 135M
@@ -25,7 +26,7 @@ import ctypes
 import functools
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -40,8 +41,9 @@ _SOURCE = Path(__file__).with_name("kernels") / "adamw_bf16.c"
 
 
 @functools.cache
-def load_kernel():
-    """The C step function, or None (logged once) when it cannot be built or kernels are switched off."""
+def load_kernel() -> ctypes.CDLL | None:
+    """The C library (AdamW step, stochastic rounding), or None (logged once) when it cannot be built or
+    kernels are switched off."""
     if not kernels_enabled():
         return None
     try:
@@ -49,12 +51,11 @@ def load_kernel():
     except OSError as e:
         log.warning("bf16-moment AdamW kernel unavailable, the PyTorch version runs: %s", e)
         return None
-    f32, ptr = ctypes.c_float, ctypes.c_void_p
-    fn = lib.relayrl_adamw_bf16
-    fn.argtypes = [ctypes.c_int64, ptr, ptr, ptr, ptr, f32, f32, f32, f32, f32, f32, f32, ctypes.c_uint32,
-                   ctypes.c_int]
-    fn.restype = None
-    return fn
+    f32, ptr, u32, i64 = ctypes.c_float, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int64
+    lib.relayrl_adamw_bf16.argtypes = [i64, ptr, ptr, ptr, ptr, f32, f32, f32, f32, f32, f32, f32, u32, ctypes.c_int]
+    lib.relayrl_round_bf16.argtypes = [i64, ptr, ptr, u32, ctypes.c_int]
+    lib.relayrl_adamw_bf16.restype = lib.relayrl_round_bf16.restype = None
+    return lib
 
 
 def _kernel_can_take(*tensors: torch.Tensor) -> bool:
@@ -70,6 +71,36 @@ def adamw(params: list[torch.nn.Parameter], *, state_dtype: str = "float32", **k
     if state_dtype != "float32":
         raise ValueError(f"train.optimizer_state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
     return torch.optim.AdamW(params, fused=True, **kwargs)
+
+
+def round_to_bf16_(dst: torch.Tensor, src: torch.Tensor, seed: int) -> None:
+    """dst (bf16) <- src (fp32) rounded stochastically, the noise a function of `seed` (and the element).
+
+    Why: a bf16 copy of fp32 master weights (a bf16 inference engine beside an fp32 trainer) rounded to nearest
+    stays where it is until the weights have moved by half a bf16 step, 2^-9 of their size: at RL learning
+    rates (Adam moves a weight by ~lr a step) most weights of SmolLM2 did not change their bf16 value in the
+    first steps, and the engine kept sampling from the first policy. Rounded stochastically the copy follows
+    the master weights in expectation from the first step (docs/benchmarks.md, "A bf16 engine that learns")."""
+    if dst.shape != src.shape:
+        raise ValueError(f"cannot round a tensor of shape {tuple(src.shape)} into one of {tuple(dst.shape)}")
+    lib = load_kernel()
+    if lib is not None and src.dtype == torch.float32 and dst.dtype == torch.bfloat16 and _kernel_can_take(src, dst):
+        lib.relayrl_round_bf16(src.numel(), src.data_ptr(), dst.data_ptr(), seed & 0xFFFFFFFF,
+                               torch.get_num_threads())
+        return
+    stochastic_round_(dst, src.float().contiguous(), torch.Generator(src.device).manual_seed(seed))
+
+
+def rounded_to_bf16(named: Iterable[tuple[str, torch.Tensor]], seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The fp32 tensors of `named` as bf16 copies rounded stochastically (round_to_bf16_), the others as they are:
+    what a bf16 inference server is sent, so that it follows the trainer's fp32 weights as a local bf16 engine
+    does (a server casting fp32 itself rounds to nearest). Lazy: one tensor at a time, in the source's order."""
+    for i, (name, t) in enumerate(named):
+        if t.dtype == torch.float32:
+            out = torch.empty(t.shape, dtype=torch.bfloat16, device=t.device)
+            round_to_bf16_(out, t.detach().contiguous(), seed * 1_000_003 + i)
+            t = out
+        yield name, t
 
 
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None) -> None:
@@ -118,8 +149,9 @@ class Bf16StateAdamW(torch.optim.Optimizer):
         m_all, v_all = state["exp_avg"], state["exp_avg_sq"]
         if (self.kernel is not None and p.dtype == p.grad.dtype == torch.float32
                 and _kernel_can_take(p, p.grad, m_all, v_all)):
-            self.kernel(p.numel(), p.data_ptr(), p.grad.data_ptr(), m_all.data_ptr(), v_all.data_ptr(), lr, beta1,
-                        beta2, eps, wd, step_size, bc2_sqrt, seed & 0xFFFFFFFF, torch.get_num_threads())
+            self.kernel.relayrl_adamw_bf16(p.numel(), p.data_ptr(), p.grad.data_ptr(), m_all.data_ptr(),
+                                           v_all.data_ptr(), lr, beta1, beta2, eps, wd, step_size, bc2_sqrt,
+                                           seed & 0xFFFFFFFF, torch.get_num_threads())
             return
         gen = torch.Generator(p.device).manual_seed(seed)
         flat = (p.view(-1), p.grad.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1))

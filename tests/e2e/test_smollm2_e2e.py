@@ -63,8 +63,12 @@ def test_one_grpo_step_on_smollm2(smol, tmp_path):
         train_colocated(c)
         engine_w = dict(c.rollout_ctl.engines[0].model.named_parameters())
         changed = [n for n, p in c.train_ctl.engine.model.named_parameters() if not torch.equal(p, before[n])]
-        for n, p in c.train_ctl.engine.model.named_parameters():  # the engine holds the relayed weights (its own
-            assert torch.equal(engine_w[n], p.detach().to(engine_w[n].dtype)), n  # bf16 copy, or the shared model)
+        for n, p in c.train_ctl.engine.model.named_parameters():  # the engine holds the relayed weights: the
+            got, want = engine_w[n].detach().float(), p.detach().float()  # shared model, or its own bf16 copy
+            if engine_w[n].dtype == torch.bfloat16:  # rounded stochastically: one of the two bf16 neighbours
+                assert ((got - want).abs() <= want.abs() * 2.0**-7).all(), n
+            else:
+                assert torch.equal(got, want), n
     finally:
         c.close()
     rows = read_jsonl(c.run_dir / "metrics.jsonl")

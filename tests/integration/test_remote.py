@@ -6,6 +6,7 @@ servers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -13,6 +14,7 @@ import time
 import pytest
 import torch
 from conftest import relayrl_servers, write_sums
+from safetensors.torch import load_file
 
 from relayrl.common.net import free_port
 from relayrl.common.utils import read_jsonl
@@ -113,6 +115,35 @@ def test_weight_sync_from_disk_changes_outputs(engines, tiny_path, tmp_path):
     finally:
         zero = load_model(tiny_path, dtype="float32")  # the servers are shared by the module: restore them
         ctl.update_weights(zero.named_parameters, version=0)
+
+
+def test_bf16_servers_are_sent_stochastically_rounded_bf16(servers, tiny_path, tmp_path):
+    """send_bf16 (a bf16 server beside an fp32 trainer): the folder the server loads holds bf16 tensors, each
+    element one of the two bf16 neighbours of the trainer's value, and updates below half a bf16 step move
+    about their share of the weights (rounded to nearest by the server, none would move)."""
+    model = load_model(tiny_path, dtype="float32")  # the tiny model's weights are not on the bf16 grid
+    start = {n: p.detach().to(torch.bfloat16).float() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(start[n] + 0.25 * torch.where(start[n] == 0, 0.0, 2.0 ** (torch.frexp(start[n]).exponent - 8)))
+    engine = RemoteEngine(servers[0].url, weights_dir=str(tmp_path / "weights"), retries=1, send_bf16=True)
+    try:
+        engine.update_weights(model.named_parameters(), version=1)
+        out = asyncio.run(engine.agenerate([5, 6, 7], greedy(4)))
+        assert out.versions == [1] * 4  # the server loaded them
+        sent = load_file(str(tmp_path / "weights" / "v1" / "model.safetensors"))
+        moved = total = 0
+        for n, p in model.named_parameters():
+            assert sent[n].dtype == torch.bfloat16, n
+            d = sent[n].float() - start[n]
+            assert ((d == 0) | (d.abs() <= (p.detach() - start[n]).abs() * 4 + 1e-30)).all(), n
+            moved, total = moved + int((d != 0).sum()), total + d.numel()
+        assert 0.2 < moved / total < 0.3
+    finally:
+        engine.close()
+        zero = load_model(tiny_path, dtype="float32")  # the servers are shared by the module: restore them exactly
+        with contextlib.closing(RemoteEngine(servers[0].url, weights_dir=str(tmp_path / "restore"))) as plain:
+            plain.update_weights(zero.named_parameters(), version=0)
 
 
 def test_killed_server_mid_rollout_retries_then_names_the_address(tiny_path, tmp_path):

@@ -23,7 +23,7 @@ def test_help_config_prints_type_default_and_meaning(capsys):
     assert main(["train", "--help-config"]) == 0
     lines = capsys.readouterr().out.splitlines()
     i = lines.index("engine.dtype: Literal['auto', 'float32', 'bfloat16', 'float16'] = 'auto'")
-    assert "float32 on CPUs" in lines[i - 1] + lines[i + 1]
+    assert "bfloat16 where bf16 is native" in lines[i - 2] + lines[i - 1] + lines[i + 1]
 
 
 @dataclass

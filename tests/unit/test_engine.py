@@ -132,6 +132,36 @@ def test_update_weights_changes_outputs_and_stamps_versions(tiny_path):
     engine.close()
 
 
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_a_bf16_engine_follows_fp32_updates_below_half_a_bf16_step(tiny_path, rounding):
+    """fp32 master weights moved by a quarter of a bf16 step: rounded to nearest the bf16 engine keeps every
+    weight (it would sample from the first policy until updates add up to half a step); rounded stochastically
+    about a quarter of them move up one step, so the engine's weights follow the master's on average."""
+    engine = LocalEngine(load_model(tiny_path, dtype="bfloat16"), eos_token_ids=[], weight_rounding=rounding)
+    start = {n: p.detach().float() for n, p in engine.model.named_parameters()}
+    ulp = {n: torch.where(w == 0, 0.0, 2.0 ** (torch.frexp(w).exponent - 8).float()) for n, w in start.items()}
+    master = [(n, w + 0.25 * ulp[n]) for n, w in start.items()]  # a fresh tensor each: not the engine's own
+    engine.update_weights(master, version=1)
+    moved = total = 0
+    drift, target = 0.0, 0.0
+    for n, p in engine.model.named_parameters():
+        d = p.detach().float() - start[n]
+        assert ((d == 0) | (d.abs() <= 2 * ulp[n])).all()  # at most one bf16 step, never further
+        moved += int((d != 0).sum())
+        total += d.numel()
+        drift, target = drift + float(d.abs().sum()), target + float(0.25 * ulp[n].sum())
+    engine.close()
+    if rounding == "nearest":
+        assert moved == 0
+    else:
+        assert 0.2 < moved / total < 0.3 and drift == pytest.approx(target, rel=0.1)
+
+
+def test_bf16_weight_rounding_is_checked(tiny_path):
+    with pytest.raises(ValueError, match="weight_rounding"):
+        LocalEngine(load_model(tiny_path), eos_token_ids=[], weight_rounding="up")
+
+
 def test_pause_holds_generation_until_resume(engine):
     engine.pause()
     fut = engine.submit([5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True))

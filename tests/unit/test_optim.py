@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from relayrl.trainer import optim
-from relayrl.trainer.optim import Bf16StateAdamW, adamw, stochastic_round_
+from relayrl.trainer.optim import Bf16StateAdamW, adamw, round_to_bf16_, stochastic_round_
 
 BF16_ULP = 2.0**-7  # bf16 keeps 8 significant bits: neighbours differ by at most this much relative
 HAVE_CC = shutil.which("cc") is not None
@@ -167,3 +167,37 @@ def test_save_and_load_keep_bf16_moments_and_continue_identically():
     assert opt2.state[w2]["exp_avg"].dtype == torch.bfloat16 == opt2.state[w2]["exp_avg_sq"].dtype
     step(w2, opt2)
     assert torch.equal(w2, w)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "pytorch"])
+def test_round_to_bf16_lands_on_a_neighbour_with_the_right_odds(kernel, monkeypatch):
+    """Each element becomes one of its two bf16 neighbours, the upper one with probability (distance from the
+    lower) / (bf16 step): the mean over elements of one value equals that value; the same seed rounds the same
+    way on any thread count."""
+    if kernel and optim.load_kernel() is None:
+        pytest.skip("no C compiler: the kernel cannot be built here")
+    if not kernel:
+        monkeypatch.setattr(optim, "load_kernel", lambda: None)
+    src = torch.full((200_000,), 1.0 + 0.3 * 2.0**-7)  # 30% of the way from 1.0 to the next bf16 value
+    dst = torch.empty_like(src, dtype=torch.bfloat16)
+    round_to_bf16_(dst, src, seed=5)
+    assert set(dst.float().unique().tolist()) == {1.0, 1.0 + 2.0**-7}
+    assert float(dst.float().mean()) == pytest.approx(float(src[0]), abs=2e-5)
+    again = torch.empty_like(dst)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        round_to_bf16_(again, src, seed=5)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(again, dst)
+    round_to_bf16_(again, src, seed=6)
+    assert not torch.equal(again, dst)
+    signed = torch.randn(10_000) * 10.0 ** torch.randint(-6, 3, (10_000,))  # both signs, many magnitudes
+    out = torch.empty_like(signed, dtype=torch.bfloat16)
+    round_to_bf16_(out, signed, seed=1)
+    down = signed.to(torch.bfloat16).float()
+    assert ((out.float() - signed).abs() <= signed.abs() * 2.0**-7).all()  # within one bf16 step
+    assert ((out.float() == down) | (out.float().sign() == signed.sign())).all()
+    with pytest.raises(ValueError, match="shape"):  # never a write past the end of dst in C
+        round_to_bf16_(torch.empty(3, dtype=torch.bfloat16), torch.zeros(4), seed=0)

@@ -1,4 +1,6 @@
-/* One AdamW step with bf16 moments, fused: each element's weight, gradient and two moments are read once and
+/* The trainer's bf16 kernels: one AdamW step with bf16 moments, and stochastic rounding of fp32 into bf16.
+ *
+ * One AdamW step with bf16 moments, fused: each element's weight, gradient and two moments are read once and
  * written once (the PyTorch version makes ~15 passes over fp32 working copies and draws its rounding noise with
  * torch.randint). Math in fp32, as relayrl/trainer/optim.py's Bf16StateAdamW:
  *   m = m + (1 - beta1) (g - m)              stored rounded to nearest even
@@ -80,5 +82,20 @@ void relayrl_adamw_bf16(int64_t n, float *w, const float *g, uint16_t *m, uint16
         const int64_t start = b * BLOCK;
         const int len = (int)(n - start < BLOCK ? n - start : BLOCK);
         block(start, len, w, g, m, v, a1, beta2, a2, decay, step_size, bc2_sqrt, eps, seed);
+    }
+}
+
+/* dst (bf16) <- src (fp32) rounded up or down at random, E[dst] = src: a bf16 copy of fp32 master weights that
+ * moves with them even where one update is below half a bf16 step (rounded to nearest it would stay put). The
+ * noise is the AdamW kernel's hash of (seed, index): the same for any thread count. */
+void relayrl_round_bf16(int64_t n, const float *src, uint16_t *dst, uint32_t seed, int threads) {
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t start = b * BLOCK;
+        const int len = (int)(n - start < BLOCK ? n - start : BLOCK);
+        const uint32_t base = (uint32_t)start * 0x9e3779b9u + seed;
+        for (int j = 0; j < len; j++)
+            dst[start + j] = to_bf16_stochastic(src[start + j], mix32(base + (uint32_t)j * 0x9e3779b9u) >> 16);
     }
 }
