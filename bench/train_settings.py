@@ -11,12 +11,16 @@ starts from the same weights, data and seeds, so the first step fits the same ba
     .venv/bin/python bench/train_settings.py                  # shipped vs no checkpointing at 256/512 tokens
     .venv/bin/python bench/train_settings.py --cpu avx2       # as on an AVX2-only CPU (bench/_common.AVX2_ENV)
     .venv/bin/python bench/train_settings.py --side 'small=train.micro_batch_tokens=512' --side 'shipped='
+    .venv/bin/python bench/train_settings.py --side kernel= --side 'torch=env.RELAYRL_KERNELS_OFF=segment_attention'
+
+An override `env.NAME=VALUE` sets an environment variable in that side's child instead of a config key.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -65,8 +69,11 @@ def run_child(a) -> dict:
     from relayrl.config.schema import load_run_config
     from relayrl.run.build import build
 
-    tune_allocator()
     name, overrides = split_side(a.child)
+    env = dict(o[len("env."):].split("=", 1) for o in overrides if o.startswith("env."))
+    os.environ.update(env)
+    overrides = [o for o in overrides if not o.startswith("env.")]
+    tune_allocator()
     fit_s, peaks, tokens = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench_settings_") as tmp:
         cfg = load_run_config(a.config, [f"run.output_dir={tmp}", "run.tensorboard=false", "eval.at_start=false",
@@ -88,7 +95,7 @@ def run_child(a) -> dict:
                 trim_memory()
         finally:
             c.close()
-    return {"side": name, "overrides": overrides, "fit_s": fit_s, "train_peak_gb": peaks,
+    return {"side": name, "overrides": overrides, "env": env, "fit_s": fit_s, "train_peak_gb": peaks,
             "trained_tokens": tokens}
 
 
@@ -105,7 +112,7 @@ def summarize(runs: list[dict], names: list[str]) -> dict:
         out[name] = {"first_fit_s_median": statistics.median(r["fit_s"][0] for r in mine),
                      "fit_s_median": statistics.median(t for r in mine for t in r["fit_s"]),
                      "train_peak_gb_max": max(p for r in mine for p in r["train_peak_gb"]),
-                     "overrides": mine[0]["overrides"]}
+                     "overrides": mine[0]["overrides"], "env": mine[0].get("env", {})}
     base = out[names[0]]
     for name in names[1:]:
         out[name]["first_fit_vs_" + names[0]] = round(out[name]["first_fit_s_median"] / base["first_fit_s_median"], 3)

@@ -1,13 +1,15 @@
 """Compile one of relayrl's small C kernels for this machine, once, and cache the shared library.
 
-Two components have a C kernel (the engine's decode attention, the trainer's bf16-moment AdamW); both are built
-with the system C compiler and `-march=native` into `cache_dir()/kernels`, keyed by the source, the command line,
+Three components have a C kernel (the engine's decode attention, the trainer's bf16-moment AdamW, the trainer's
+shared-prompt attention); each is built with the system C compiler and `-march=native` into
+`cache_dir()/kernels`, keyed by the source, the command line,
 the CPU's feature flags and the architecture, so a cache folder shared between machines never hands a library
 to a CPU without its instructions. Where torch is restricted to a lower ISA (ATEN_CPU_CAPABILITY=avx2 or
 default, e.g. `--cpu avx2` in the benches), the kernels are built for that ISA too (x86-64-v3 or baseline
 x86-64), so a measurement "as on an AVX2 CPU" is that for the kernels as well. The library is written to a temp
 file and renamed, so concurrent processes never load a half-written one. Callers load it with ctypes (which
-releases the GIL during calls) and fall back to PyTorch when the build fails or RELAYRL_KERNELS=0.
+releases the GIL during calls) and fall back to PyTorch when the build fails or the kernel is switched off
+(`kernels_enabled`).
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ from pathlib import Path
 from relayrl.common.utils import cache_dir
 
 
-def kernels_enabled() -> bool:
-    """RELAYRL_KERNELS=0 switches every C kernel off (PyTorch paths only)."""
-    return os.environ.get("RELAYRL_KERNELS", "1") != "0"
+def kernels_enabled(name: str | None = None) -> bool:
+    """RELAYRL_KERNELS=0 switches every C kernel off (PyTorch paths only); RELAYRL_KERNELS_OFF=name,... switches off
+    the named ones (the stem of their source: adamw_bf16, decode_attention, segment_attention), e.g. to compare one
+    kernel with its PyTorch fallback in one run."""
+    off = {n.strip() for n in os.environ.get("RELAYRL_KERNELS_OFF", "").split(",")}
+    return os.environ.get("RELAYRL_KERNELS", "1") != "0" and name not in off
 
 
 @functools.cache

@@ -39,7 +39,7 @@ _MAX_G, _MAX_D = 16, 256  # the kernel's stack buffers (kernels/decode_attention
 @functools.cache
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (logged once) when it cannot be built or is switched off."""
-    if not kernels_enabled():
+    if not kernels_enabled("decode_attention"):
         return None
     try:
         lib = ctypes.CDLL(str(build_library(_SOURCE, _CFLAGS, _LIBS)))

@@ -7,14 +7,24 @@ job's shapes (docs/benchmarks.md). Here the prompt attends causally to itself, a
 row's prompt, itself], responses of similar length batched together: G x n x (P + n) scores instead of
 (P + G n)^2. The attention itself is plain matmuls with a hand-written backward that recomputes the probabilities
 (`_MaskedAttention`); outputs and gradients equal SDPA with the dense mask up to float rounding
-(tests/unit/test_segment_attention.py). Pure torch: the packer builds layouts without loading transformers.
+(tests/unit/test_segment_attention.py). On CPUs a C kernel (kernels/segment_attention.c) does the same per
+(row, KV head) without gathers, padding or masks (`_SegmentKernel`); the PyTorch version above is its fallback (no
+compiler, RELAYRL_KERNELS=0, GPU tensors, float64). The packer builds layouts without loading transformers.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from relayrl.common.cbuild import build_library, kernels_enabled
+
+log = logging.getLogger(__name__)
 
 MAX_BUCKETS = 4  # attention calls per layer for the responses: fewer pads more, more costs per-call overhead
 DENSE_RATIO = 0.8  # use the segments only where their scores are at most this share of the dense mask's
@@ -37,13 +47,15 @@ class SegmentLayout:
     prompt_len: int  # P: the longest prompt of the micro-batch's rows
     buckets: list[Bucket]
     out_index: torch.Tensor  # [rows * L] each position's output in cat(prompt part, bucket parts)
+    prompt_lens: torch.Tensor  # [rows] int64: each row's own prompt length (the C kernel's layout)
+    spans: torch.Tensor  # [responses, 3] int64: (row, start, length) of every response
 
     def to(self, device: torch.device | str) -> SegmentLayout:
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)
 
         buckets = [Bucket(b.span, move(b.q_index), move(b.kv_index), move(b.mask)) for b in self.buckets]
-        return SegmentLayout(self.prompt_len, buckets, move(self.out_index))
+        return SegmentLayout(self.prompt_len, buckets, move(self.out_index), move(self.prompt_lens), move(self.spans))
 
 
 def _buckets(lengths: list[int], prompt_len: int) -> list[list[int]]:
@@ -111,7 +123,8 @@ def segment_layout(prompt_lens: list[int], responses: list[list[tuple[int, int]]
             out_index[own] = torch.arange(offset + k * span, offset + k * span + n)
         buckets.append(Bucket(span, q_index.view(-1), kv_index.view(-1), mask))
         offset += len(run) * span
-    return SegmentLayout(pmax, buckets, out_index)
+    return SegmentLayout(pmax, buckets, out_index, torch.tensor(prompt_lens, dtype=torch.long),
+                         torch.tensor(segs, dtype=torch.long).view(-1, 3))
 
 
 class _MaskedAttention(torch.autograd.Function):
@@ -173,6 +186,8 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       scaling: float | None = None) -> torch.Tensor:
     """Attention of rows [prompt, responses...]: query [rows, H, L, D], key/value [rows, KVH, L, D] -> [rows, L,
     H, D] (transformers' layout after attention)."""
+    if _kernel_can_take(query, key, value):
+        return _SegmentKernel.apply(query, key, value, layout, scaling or query.shape[-1] ** -0.5)
     rows, heads, width, dim = query.shape
     kv_heads, pmax = key.shape[1], layout.prompt_len
     causal = torch.ones(pmax, pmax, dtype=torch.bool, device=query.device).tril_().expand(rows, 1, pmax, pmax)
@@ -188,3 +203,74 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         vb = v.index_select(0, b.kv_index).view(n, pmax + b.span, kv_heads, dim).transpose(1, 2)
         parts.append(_attend(qb, kb, vb, b.mask, scaling).reshape(n * b.span, heads, dim))
     return torch.cat(parts).index_select(0, layout.out_index).view(rows, width, heads, dim)
+
+
+# ---- the C kernel (CPU) ------------------------------------------------------------------------------------
+_SOURCE = Path(__file__).with_name("kernels") / "segment_attention.c"
+
+
+@functools.cache
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (logged once) when it cannot be built or kernels are switched off."""
+    if not kernels_enabled("segment_attention"):
+        return None
+    try:
+        lib = ctypes.CDLL(str(build_library(_SOURCE, ["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                                            ["-lmvec", "-lm"])))
+    except OSError as e:
+        log.warning("segment-attention kernel unavailable, the trainer uses the PyTorch version: %s", e)
+        return None
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    shape = [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, f32]
+    lib.relayrl_segment_attention_fwd.argtypes = [*shape, ptr, ptr, ctypes.c_int]
+    lib.relayrl_segment_attention_bwd.argtypes = [*shape, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.relayrl_segment_attention_fwd.restype = lib.relayrl_segment_attention_bwd.restype = ctypes.c_int
+    return lib
+
+
+def _kernel_can_take(*tensors: torch.Tensor) -> bool:
+    """CPU fp32/bf16 tensors with the kernel built: a device pointer must never reach C, and float64 (the exactness
+    tests) stays in PyTorch."""
+    return (all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) for t in tensors)
+            and tensors[0].shape[1] % tensors[1].shape[1] == 0 and load_kernel() is not None)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous()
+
+
+class _SegmentKernel(torch.autograd.Function):
+    """segment_attention through kernels/segment_attention.c: fp32 inside, outputs and gradients in the inputs'
+    dtypes; saves fp32 q, k, v, the output and one logsumexp per query for backward."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, layout, scale):
+        lib = load_kernel()
+        rows, heads, width, dim = query.shape
+        kv_heads = key.shape[1]
+        q, k, v = _f32(query), _f32(key), _f32(value)
+        out = torch.zeros(rows, width, heads, dim)
+        lse = torch.zeros(rows, heads, width)
+        prompt_lens, spans = layout.prompt_lens.contiguous(), layout.spans.contiguous()
+        shape = (rows, width, kv_heads, heads // kv_heads, dim, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                 prompt_lens.data_ptr(), spans.shape[0], spans.data_ptr(), scale)
+        if lib.relayrl_segment_attention_fwd(*shape, out.data_ptr(), lse.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("segment-attention kernel: out of memory for its score buffers")
+        ctx.save_for_backward(q, k, v, out, lse, prompt_lens, spans)
+        ctx.scale, ctx.dtypes = scale, (query.dtype, key.dtype, value.dtype)
+        return out.to(value.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, prompt_lens, spans = ctx.saved_tensors
+        rows, heads, width, dim = q.shape
+        kv_heads = k.shape[1]
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        shape = (rows, width, kv_heads, heads // kv_heads, dim, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                 prompt_lens.data_ptr(), spans.shape[0], spans.data_ptr(), ctx.scale)
+        dout = _f32(dout)
+        load_kernel().relayrl_segment_attention_bwd(*shape, out.data_ptr(), lse.data_ptr(), dout.data_ptr(),
+                                                    dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                                                    torch.get_num_threads())
+        qd, kd, vd = ctx.dtypes
+        return dq.to(qd), dk.to(kd), dv.to(vd), None, None

@@ -44,7 +44,7 @@ _SOURCE = Path(__file__).with_name("kernels") / "adamw_bf16.c"
 def load_kernel() -> ctypes.CDLL | None:
     """The C library (AdamW step, stochastic rounding), or None (logged once) when it cannot be built or
     kernels are switched off."""
-    if not kernels_enabled():
+    if not kernels_enabled("adamw_bf16"):
         return None
     try:
         lib = ctypes.CDLL(str(build_library(_SOURCE, ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"])))

@@ -37,3 +37,16 @@ def test_kernels_follow_torchs_isa_restriction(tmp_path, monkeypatch):
     ctypes.CDLL(str(avx2)).relayrl_adamw_bf16  # noqa: B018
     if shutil.which("objdump"):  # an AVX2 build never touches the 512-bit registers
         assert "zmm" not in subprocess.run(["objdump", "-d", str(avx2)], capture_output=True, text=True).stdout
+
+
+def test_kernels_switch_off_all_or_by_name(monkeypatch):
+    from relayrl.models import segments
+
+    monkeypatch.delenv("RELAYRL_KERNELS", raising=False)
+    monkeypatch.setenv("RELAYRL_KERNELS_OFF", "segment_attention, decode_attention")
+    assert not cbuild.kernels_enabled("segment_attention") and not cbuild.kernels_enabled("decode_attention")
+    assert cbuild.kernels_enabled("adamw_bf16")
+    assert segments.load_kernel.__wrapped__() is None  # the trainer then runs the PyTorch attention
+    monkeypatch.setenv("RELAYRL_KERNELS_OFF", "")
+    monkeypatch.setenv("RELAYRL_KERNELS", "0")
+    assert not cbuild.kernels_enabled("adamw_bf16")

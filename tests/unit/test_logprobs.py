@@ -229,3 +229,11 @@ def test_train_engine_logprobs_equal_the_unchunked_lm_head(tiny_path):
     ref = torch.log_softmax(logits, -1).gather(-1, mb.targets[:, None]).squeeze(-1)
     assert (logp.detach() - ref).abs().max() < 1e-5
     assert (engine.forward_logprobs(mb) - ref).abs().max() < 1e-5
+
+
+def test_under_autocast_the_forward_casts_the_head_weight_once():
+    """Autocast would cast the fp32 [vocab x hidden] weight again for every chunk's matmul; the head casts it once."""
+    hidden, weight, targets = _inputs(n=64, h=32, v=500)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), _PeakBytes() as mode:
+        token_logprobs(hidden, weight, targets, with_entropy=True, chunk_bytes=8 * 4 * 500)  # 8 chunks
+    assert mode.sizes.count(weight.numel() * 2) == 1

@@ -139,3 +139,60 @@ def test_trainer_forward_goes_through_segments_with_the_same_logprobs_and_gradie
     assert (lp_seg - lp_dense).abs().max() < 0.05
     flat = [torch.cat([g.flatten() for g in gs]) for gs in (g_seg, g_dense)]
     assert F.cosine_similarity(*flat, dim=0) > 0.999
+
+
+# ---- the C kernel ----------------------------------------------------------------------------------------------
+needs_kernel = pytest.mark.skipif(segments.load_kernel() is None, reason="segment-attention C kernel not built "
+                                  "here (no C compiler, or RELAYRL_KERNELS=0)")
+
+
+def _qkv(seed, rows, width, heads, kv_heads, dim, dtype):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(rows, h, width, dim, generator=g) * 2).to(dtype).requires_grad_()
+            for h in (heads, kv_heads, kv_heads)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (9, 3)])
+def test_kernel_equals_the_pytorch_version_outputs_and_gradients(seed, heads, kv_heads, monkeypatch):
+    monkeypatch.setattr(segments, "DENSE_RATIO", 100.0)
+    prompt_lens, spans, segment, width = _rows(seed)
+    layout = segment_layout(prompt_lens, spans, width)
+    q, k, v = _qkv(seed, len(prompt_lens), width, heads, kv_heads, 16, torch.float32)
+    upstream = torch.randn(len(prompt_lens), width, heads, 16) * (segment >= 0)[..., None, None]
+    got = segment_attention(q, k, v, layout, scaling=0.3)
+    assert type(got.grad_fn).__name__ == "_SegmentKernelBackward"  # the kernel ran, not the fallback
+    got_grads = torch.autograd.grad((got * upstream).sum(), (q, k, v))
+    monkeypatch.setattr(segments, "_kernel_can_take", lambda *t: False)
+    want = segment_attention(q, k, v, layout, scaling=0.3)
+    want_grads = torch.autograd.grad((want * upstream).sum(), (q, k, v))
+    real = segment >= 0
+    assert torch.allclose(got[real], want[real], atol=1e-5)
+    assert not got[~real].any()  # padding positions attend to nothing: zeros
+    for name, a, b in zip("qkv", got_grads, want_grads):
+        assert torch.allclose(a, b, atol=1e-4), name
+
+
+@needs_kernel
+def test_kernel_keeps_the_autocast_dtypes():
+    """Under bf16 autocast transformers hands fp32 queries and keys (after the rotary embedding) and bf16 values;
+    the output comes back in the values' dtype and every gradient in its input's dtype."""
+    prompt_lens, spans, segment, width = _rows(1)
+    layout = segment_layout(prompt_lens, spans, width) or pytest.skip("layout not built for this draw")
+    q, k, _ = _qkv(1, len(prompt_lens), width, 6, 2, 16, torch.float32)
+    v = _qkv(2, len(prompt_lens), width, 6, 2, 16, torch.bfloat16)[2]
+    out = segment_attention(q, k, v, layout)
+    assert out.dtype == torch.bfloat16
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert [g.dtype for g in grads] == [torch.float32, torch.float32, torch.bfloat16]
+    assert all(torch.isfinite(g.float()).all() for g in grads)
+
+
+def test_without_the_kernel_the_pytorch_version_runs(monkeypatch):
+    monkeypatch.setattr(segments, "_kernel_can_take", lambda *t: False)
+    monkeypatch.setattr(segments, "DENSE_RATIO", 100.0)
+    prompt_lens, spans, _, width = _rows(0)
+    q, k, v = _qkv(0, len(prompt_lens), width, 4, 2, 8, torch.float32)
+    out = segment_attention(q, k, v, segment_layout(prompt_lens, spans, width))
+    assert type(out.grad_fn).__name__ != "_SegmentKernelBackward"
