@@ -207,6 +207,7 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 # ---- the C kernel (CPU) ------------------------------------------------------------------------------------
 _SOURCE = Path(__file__).with_name("kernels") / "segment_attention.c"
+_MAX_G, _MAX_D = 64, 1024  # query heads per KV head and head size the kernel's stack arrays hold (MAX_G, MAX_D)
 
 
 @functools.cache
@@ -231,8 +232,9 @@ def load_kernel() -> ctypes.CDLL | None:
 def _kernel_can_take(*tensors: torch.Tensor) -> bool:
     """CPU fp32/bf16 tensors with the kernel built: a device pointer must never reach C, and float64 (the exactness
     tests) stays in PyTorch."""
+    heads, kv_heads, dim = tensors[0].shape[1], tensors[1].shape[1], tensors[0].shape[-1]
     return (all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) for t in tensors)
-            and tensors[0].shape[1] % tensors[1].shape[1] == 0 and load_kernel() is not None)
+            and heads % kv_heads == 0 and heads // kv_heads <= _MAX_G and dim <= _MAX_D and load_kernel() is not None)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -269,8 +271,9 @@ class _SegmentKernel(torch.autograd.Function):
         shape = (rows, width, kv_heads, heads // kv_heads, dim, q.data_ptr(), k.data_ptr(), v.data_ptr(),
                  prompt_lens.data_ptr(), spans.shape[0], spans.data_ptr(), ctx.scale)
         dout = _f32(dout)
-        load_kernel().relayrl_segment_attention_bwd(*shape, out.data_ptr(), lse.data_ptr(), dout.data_ptr(),
-                                                    dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-                                                    torch.get_num_threads())
+        if load_kernel().relayrl_segment_attention_bwd(*shape, out.data_ptr(), lse.data_ptr(), dout.data_ptr(),
+                                                       dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                                                       torch.get_num_threads()):
+            raise MemoryError("segment-attention kernel: out of memory for its score buffers")
         qd, kd, vd = ctx.dtypes
         return dq.to(qd), dk.to(kd), dv.to(vd), None, None
