@@ -241,23 +241,31 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32).contiguous()
 
 
+def _layout_args(q: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
+    """The kernel's leading shape arguments (R, L, KVH, G, D), the same for forward and backward."""
+    rows, heads, width, dim = q.shape
+    return rows, width, k.shape[1], heads // k.shape[1], dim
+
+
+def _check(status: int) -> None:
+    if status:  # _kernel_can_take keeps shapes inside the kernel's limits, so this is a failed allocation
+        raise MemoryError(f"segment-attention kernel failed (status {status}): out of memory for its score buffers")
+
+
 class _SegmentKernel(torch.autograd.Function):
     """segment_attention through kernels/segment_attention.c: fp32 inside, outputs and gradients in the inputs'
     dtypes; saves fp32 q, k, v, the output and one logsumexp per query for backward."""
 
     @staticmethod
     def forward(ctx, query, key, value, layout, scale):
-        lib = load_kernel()
         rows, heads, width, dim = query.shape
-        kv_heads = key.shape[1]
         q, k, v = _f32(query), _f32(key), _f32(value)
-        out = torch.zeros(rows, width, heads, dim)
+        out = torch.zeros(rows, width, heads, dim)  # padding positions stay zero
         lse = torch.zeros(rows, heads, width)
         prompt_lens, spans = layout.prompt_lens.contiguous(), layout.spans.contiguous()
-        shape = (rows, width, kv_heads, heads // kv_heads, dim, q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                 prompt_lens.data_ptr(), spans.shape[0], spans.data_ptr(), scale)
-        if lib.relayrl_segment_attention_fwd(*shape, out.data_ptr(), lse.data_ptr(), torch.get_num_threads()):
-            raise MemoryError("segment-attention kernel: out of memory for its score buffers")
+        _check(load_kernel().relayrl_segment_attention_fwd(
+            *_layout_args(q, k), q.data_ptr(), k.data_ptr(), v.data_ptr(), prompt_lens.data_ptr(), spans.shape[0],
+            spans.data_ptr(), scale, out.data_ptr(), lse.data_ptr(), torch.get_num_threads()))
         ctx.save_for_backward(q, k, v, out, lse, prompt_lens, spans)
         ctx.scale, ctx.dtypes = scale, (query.dtype, key.dtype, value.dtype)
         return out.to(value.dtype)
@@ -265,15 +273,11 @@ class _SegmentKernel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, prompt_lens, spans = ctx.saved_tensors
-        rows, heads, width, dim = q.shape
-        kv_heads = k.shape[1]
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        shape = (rows, width, kv_heads, heads // kv_heads, dim, q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                 prompt_lens.data_ptr(), spans.shape[0], spans.data_ptr(), ctx.scale)
         dout = _f32(dout)
-        if load_kernel().relayrl_segment_attention_bwd(*shape, out.data_ptr(), lse.data_ptr(), dout.data_ptr(),
-                                                       dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-                                                       torch.get_num_threads()):
-            raise MemoryError("segment-attention kernel: out of memory for its score buffers")
+        _check(load_kernel().relayrl_segment_attention_bwd(
+            *_layout_args(q, k), q.data_ptr(), k.data_ptr(), v.data_ptr(), prompt_lens.data_ptr(), spans.shape[0],
+            spans.data_ptr(), ctx.scale, out.data_ptr(), lse.data_ptr(), dout.data_ptr(), dq.data_ptr(),
+            dk.data_ptr(), dv.data_ptr(), torch.get_num_threads()))
         qd, kd, vd = ctx.dtypes
         return dq.to(qd), dk.to(kd), dv.to(vd), None, None
