@@ -14,14 +14,18 @@ releases the GIL during calls) and fall back to PyTorch when the build fails or 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import subprocess
 from pathlib import Path
 
 from relayrl.common.utils import cache_dir
+
+log = logging.getLogger(__name__)
 
 
 def kernels_enabled(name: str | None = None) -> bool:
@@ -70,3 +74,21 @@ def build_library(source: Path, cflags: list[str], libs: list[str] = ()) -> Path
             raise OSError(f"{cc} failed on {source.name}: {proc.stderr.strip()[-500:]}")
         os.replace(tmp, target)
     return target
+
+
+def load(source: Path, cflags: list[str], libs: list[str] = (), *, signatures: dict[str, tuple[list, object]],
+         fallback: str) -> ctypes.CDLL | None:
+    """`source` built (build_library) and loaded, each function in `signatures` ({name: (argtypes, restype)})
+    declared; None when the kernel is switched off (kernels_enabled by the source's stem) or cannot be built, which
+    is logged with `fallback`, the path the caller takes instead. Callers cache the result (functools.cache)."""
+    if not kernels_enabled(source.stem):
+        return None
+    try:
+        lib = ctypes.CDLL(str(build_library(source, cflags, libs)))
+    except OSError as e:
+        log.warning("%s kernel unavailable, %s: %s", source.stem, fallback, e)
+        return None
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib

@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
-from relayrl.common.cbuild import build_library, kernels_enabled
+from relayrl.common import cbuild
 from relayrl.models.attention import install as install  # LocalEngine routes the model's attention here
-
-log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -39,20 +36,11 @@ _MAX_G, _MAX_D = 16, 256  # the kernel's stack buffers (kernels/decode_attention
 @functools.cache
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (logged once) when it cannot be built or is switched off."""
-    if not kernels_enabled("decode_attention"):
-        return None
-    try:
-        lib = ctypes.CDLL(str(build_library(_SOURCE, _CFLAGS, _LIBS)))
-    except OSError as e:
-        log.warning("decode-attention kernel unavailable, LocalEngine uses PyTorch SDPA: %s", e)
-        return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for name in _DTYPES.values():
-        fn = getattr(lib, f"relayrl_decode_attention_{name}")
-        fn.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr,
-                       ctypes.c_float, ptr, ctypes.c_int]
-        fn.restype = ctypes.c_int
-    return lib
+    args = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ctypes.c_float,
+            ptr, ctypes.c_int]
+    signatures = {f"relayrl_decode_attention_{name}": (args, ctypes.c_int) for name in _DTYPES.values()}
+    return cbuild.load(_SOURCE, _CFLAGS, _LIBS, signatures=signatures, fallback="LocalEngine uses PyTorch SDPA")
 
 
 def kernel_supports(dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int) -> bool:

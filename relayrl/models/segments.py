@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from relayrl.common.cbuild import build_library, kernels_enabled
-
-log = logging.getLogger(__name__)
+from relayrl.common import cbuild
 
 MAX_BUCKETS = 4  # attention calls per layer for the responses: fewer pads more, more costs per-call overhead
 DENSE_RATIO = 0.8  # use the segments only where their scores are at most this share of the dense mask's
@@ -213,20 +210,12 @@ _MAX_G, _MAX_D = 64, 1024  # query heads per KV head and head size the kernel's 
 @functools.cache
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (logged once) when it cannot be built or kernels are switched off."""
-    if not kernels_enabled("segment_attention"):
-        return None
-    try:
-        lib = ctypes.CDLL(str(build_library(_SOURCE, ["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                                            ["-lmvec", "-lm"])))
-    except OSError as e:
-        log.warning("segment-attention kernel unavailable, the trainer uses the PyTorch version: %s", e)
-        return None
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    shape = [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, f32]
-    lib.relayrl_segment_attention_fwd.argtypes = [*shape, ptr, ptr, ctypes.c_int]
-    lib.relayrl_segment_attention_bwd.argtypes = [*shape, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
-    lib.relayrl_segment_attention_fwd.restype = lib.relayrl_segment_attention_bwd.restype = ctypes.c_int
-    return lib
+    shape, rc = [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, f32], ctypes.c_int
+    signatures = {"relayrl_segment_attention_fwd": ([*shape, ptr, ptr, ctypes.c_int], rc),
+                  "relayrl_segment_attention_bwd": ([*shape, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int], rc)}
+    return cbuild.load(_SOURCE, ["-O3", "-march=native", "-ffast-math", "-fopenmp"], ["-lmvec", "-lm"],
+                       signatures=signatures, fallback="the trainer uses the PyTorch version")
 
 
 def _kernel_can_take(*tensors: torch.Tensor) -> bool:

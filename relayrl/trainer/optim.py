@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
-from relayrl.common.cbuild import build_library, kernels_enabled
-
-log = logging.getLogger(__name__)
+from relayrl.common import cbuild
 
 CHUNK = 1 << 20  # elements per fp32 working slice (4 MB each)
 STATE_DTYPES = ("float32", "bfloat16")
@@ -44,18 +41,12 @@ _SOURCE = Path(__file__).with_name("kernels") / "adamw_bf16.c"
 def load_kernel() -> ctypes.CDLL | None:
     """The C library (AdamW step, stochastic rounding), or None (logged once) when it cannot be built or
     kernels are switched off."""
-    if not kernels_enabled("adamw_bf16"):
-        return None
-    try:
-        lib = ctypes.CDLL(str(build_library(_SOURCE, ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"])))
-    except OSError as e:
-        log.warning("bf16-moment AdamW kernel unavailable, the PyTorch version runs: %s", e)
-        return None
     f32, ptr, u32, i64 = ctypes.c_float, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int64
-    lib.relayrl_adamw_bf16.argtypes = [i64, ptr, ptr, ptr, ptr, f32, f32, f32, f32, f32, f32, f32, u32, ctypes.c_int]
-    lib.relayrl_round_bf16.argtypes = [i64, ptr, ptr, u32, ctypes.c_int]
-    lib.relayrl_adamw_bf16.restype = lib.relayrl_round_bf16.restype = None
-    return lib
+    signatures = {"relayrl_adamw_bf16": ([i64, ptr, ptr, ptr, ptr, f32, f32, f32, f32, f32, f32, f32, u32,
+                                          ctypes.c_int], None),
+                  "relayrl_round_bf16": ([i64, ptr, ptr, u32, ctypes.c_int], None)}
+    return cbuild.load(_SOURCE, ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], signatures=signatures,
+                       fallback="the PyTorch version runs")
 
 
 def _kernel_can_take(*tensors: torch.Tensor) -> bool:

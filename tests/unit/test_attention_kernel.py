@@ -106,7 +106,7 @@ def test_a_model_whose_layers_bypass_the_kernel_is_caught_at_construction(tiny_p
 def test_a_compiler_failure_is_a_warning_not_an_error(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("RELAYRL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    with caplog.at_level(logging.WARNING, logger="relayrl.engine.attention"):
+    with caplog.at_level(logging.WARNING, logger="relayrl.common.cbuild"):
         assert attention.load_kernel.__wrapped__() is None
     assert "false failed on decode_attention.c" in caplog.text
     assert not list((tmp_path / "kernels").iterdir())  # no half-written library left behind

@@ -107,7 +107,7 @@ def test_the_kernel_second_moment_decays_unbiased():
 def test_without_a_kernel_the_pytorch_step_runs(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("RELAYRL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    with caplog.at_level(logging.WARNING, logger="relayrl.trainer.optim"):
+    with caplog.at_level(logging.WARNING, logger="relayrl.common.cbuild"):
         assert optim.load_kernel.__wrapped__() is None
     assert "false failed on adamw_bf16.c" in caplog.text
     monkeypatch.setattr(optim, "load_kernel", lambda: None)
