@@ -23,7 +23,7 @@ import _common
 from relayrl.common.utils import read_jsonl
 from relayrl.tracking.plot import plot_run
 
-EVAL_KEYS = ("eval/pass", "eval/maj", "eval/solved", "eval/recovered", "eval/retry")
+EVAL_KEYS = ("eval/pass", "eval/maj", "eval/solved", "eval/recovered", "eval/retry", "eval/planted")
 
 
 def main() -> None:

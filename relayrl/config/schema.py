@@ -346,6 +346,8 @@ class EvalConfig:
     temperature: float = 0.0  # eval sampling temperature (0: greedy)
     at_start: bool = True  # evaluate before the first step
     at_end: bool = True  # evaluate after the last step
+    # merged over agent.kwargs for evaluation only, e.g. {plant_first_answer: 0.0}: a training curriculum off
+    agent_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -75,11 +75,13 @@ def check_user_code(cfg: Config) -> type[Agent]:
         name, why = problem
         raise ConfigError(why, key=f"judge.kwargs.{name}" if name else "judge.reward_fn")
     _check_agent_kwargs(agent_cls, cfg.agent.kwargs)
+    _check_agent_kwargs(agent_cls, cfg.agent.kwargs | cfg.eval.agent_kwargs, "eval.agent_kwargs")
     return agent_cls
 
 
-def _check_agent_kwargs(agent_cls: type[Agent], kwargs: dict) -> None:
-    """Unknown agent.kwargs fail here, not after the models load (unless the agent takes **kwargs)."""
+def _check_agent_kwargs(agent_cls: type[Agent], kwargs: dict, key: str = "agent.kwargs") -> None:
+    """Unknown agent.kwargs (or eval.agent_kwargs, merged over them) fail here, not after the models load (unless
+    the agent takes **kwargs)."""
     try:
         params = inspect.signature(agent_cls.__init__).parameters
     except (TypeError, ValueError):
@@ -90,7 +92,7 @@ def _check_agent_kwargs(agent_cls: type[Agent], kwargs: dict) -> None:
     for name in kwargs:  # the first five are self, rollout_ctl, tokenizer, sampling, judge: build passes them
         if name not in named:
             hint = f"its options are {', '.join(named)}" if named else "it takes no options"
-            raise ConfigError(f"unknown option for agent {agent_cls.__name__}; {hint}", key=f"agent.kwargs.{name}")
+            raise ConfigError(f"unknown option for agent {agent_cls.__name__}; {hint}", key=f"{key}.{name}")
     if callable(check := getattr(agent_cls, "check_kwargs", None)):
         check(kwargs)  # the agent's own check of its option values (raises InputError naming the key)
 
@@ -267,7 +269,7 @@ def _assemble(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge, role:
     eval_agent = eval_data = None
     if eval_rows:
         eval_agent = agent_cls(rollout_ctl, tokenizer, sampling_params(cfg, cfg.eval.temperature), judge,
-                               **cfg.agent.kwargs)
+                               **(cfg.agent.kwargs | cfg.eval.agent_kwargs))
         eval_data = DataManager(eval_rows, prompt_fn, group_size=cfg.eval.n, shuffle=False)
     logger = MetricsLogger.for_run(run_dir, cfg) if role != "producer" else None
     trajectories = TrajectoryLogger(run_dir, tokenizer) if cfg.run.log_trajectories and role != "producer" else None

@@ -60,7 +60,12 @@ def rollout_metrics(samples: list[Sample], prefix: str = "rollout") -> dict[str,
     metric_keys = {k for s in samples for k in s.metrics} - {"reward", "correct"}
     for k in sorted(metric_keys):
         out[f"{prefix}/{k}_mean"] = statistics.fmean(float(s.metrics.get(k, 0.0)) for s in samples)
-    return out | turn_metrics(samples, prefix)
+    planted = [s for s in samples if s.metrics.get("planted")]
+    if not planted:
+        return out | turn_metrics(samples, prefix)
+    # a planted first answer can never be solved at turn 1: its samples get their own success by turn
+    natural = [s for s in samples if not s.metrics.get("planted")]
+    return out | turn_metrics(natural, prefix) | turn_metrics(planted, f"{prefix}/planted")
 
 
 def turn_metrics(batch: list[Sample], prefix: str) -> dict[str, float]:

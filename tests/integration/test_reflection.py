@@ -269,3 +269,85 @@ def test_retries_only_keeps_the_first_answer_out_of_the_loss(parts):
     assert adv == [pytest.approx([1 - m2] * 2), pytest.approx([-1 - m2] * 2),
                    pytest.approx([0 - m2] * 2 + [0.0] * 2)]  # the only third turn is its own baseline
     assert torch.cat(batch.per_token["behav_logp"]).numel() == 8
+
+
+def _arith_prompt(tok, question):
+    return tok(tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                       add_generation_prompt=True))["input_ids"]
+
+
+def test_a_planted_first_answer_is_context_and_every_retry_starts_from_it(parts):
+    """plant_first_answer=1: turn 1 is a planted wrong answer near the row's answer, the same for every sample of a
+    question; the engine first sees prompt + planted turn + feedback naming it; only the retries are trained."""
+    tok, _, engine, judge = parts
+    ctl = RecordingController([engine])
+    agent = ReflectionAgent(ctl, tok, SamplingParams(max_new_tokens=10, temperature=1.0), judge, max_turns=3,
+                            feedback="Not {answer}. Again.", discount_mode="per_turn", plant_first_answer=1.0)
+    rows = [{"question": "What is 7*8?", "answer": "56"}, {"question": "What is 3+4?", "answer": "7"}]
+    samples = run(agent, [Sample(prompt_ids=_arith_prompt(tok, r["question"]), data=r, group_id=r["question"],
+                                 index=i) for r in rows for i in range(6)])
+    for s in samples:
+        first = s.turns[0]
+        planted_text = tok.decode(s.response_ids[: first.start])
+        wrong = final_answer(planted_text.split("Not")[0])
+        assert int(wrong) - int(s.data["answer"]) in (-10, -2, -1, 1, 2, 10)
+        assert planted_text.startswith(f"The answer is \\boxed{{{wrong}}}.") and f"Not {wrong}. Again." in planted_text
+        assert s.loss_mask[: first.start] == [0] * first.start  # the planted turn and the feedback: never trained
+        assert ctl.calls[s.uid][0][0] == s.input_ids[: len(s.prompt_ids) + first.start]
+        assert s.num_trained_tokens == sum(t.end - t.start for t in s.turns)
+        assert s.metrics["planted"] == 1.0 and s.metrics["turns"] == len(s.turns) + 1
+        assert s.metrics["solved_turn"] in (0, len(s.turns) + 1)  # a retry that succeeds is solved at turn 2+
+        assert s.turns[0].reward == s.reward  # rewards start at the first generated turn
+    by_question = {}
+    for s in samples:  # one state per question: every sample of it retries from the same planted answer
+        by_question.setdefault(s.data["question"], set()).add(tuple(s.response_ids[: s.turns[0].start]))
+    assert all(len(v) == 1 for v in by_question.values())
+    metrics = Evaluator().evaluate(samples)
+    reached_2 = len(samples)
+    assert metrics["eval/planted/recovered_at_turn_2"] == pytest.approx(
+        sum(s.metrics["solved_turn"] == 2 for s in samples) / reached_2)
+    assert "eval/solved_at_turn_1" not in metrics  # no natural samples: nothing could be solved at turn 1
+
+
+def test_planted_groups_are_a_share_and_their_returns_skip_the_planted_turn(parts):
+    tok, _, engine, judge = parts
+    agent = ReflectionAgent(RolloutController([engine]), tok, SamplingParams(max_new_tokens=6), judge, max_turns=3,
+                            discount=0.5, discount_mode="per_turn", plant_first_answer=0.5)
+    chosen = [agent._planted(Sample(prompt_ids=[1], data={"question": f"q{i}"}, group_id="g")) for i in range(400)]
+    assert 0.4 < sum(chosen) / 400 < 0.6
+    again = [agent._planted(Sample(prompt_ids=[1], data={"question": f"q{i}"}, group_id=f"g{i}")) for i in range(400)]
+    assert chosen == again  # by question, whatever the group id
+    s = Sample(prompt_ids=[1, 5, 6], data={"question": "q", "answer": "3"})
+    agent.plant(s)
+    s.append_context([8])
+    s.append_generated([9], [0.0], [0], "stop")
+    s.append_context([8])
+    s.append_generated([10], [0.0], [0], "stop")
+    agent._set_rewards(s, [0.0, 0.0, 1.0])  # planted wrong, retry wrong, retry right
+    assert [t.reward for t in s.turns] == pytest.approx([-1.0 + 0.5 * 1.0, 1.0])
+    assert s.metrics["solved_turn"] == 3
+    for bad, match in [(dict(plant_first_answer=1.5), "plant_first_answer must be in"),
+                       (dict(plant_first_answer=1.0, max_turns=1), "needs max_turns >= 2")]:
+        with pytest.raises(ValueError, match=match):
+            ReflectionAgent(RolloutController([engine]), tok, SamplingParams(), judge, **bad)
+    with pytest.raises(ValueError, match="integer 'answer' field"):
+        agent.plant(Sample(prompt_ids=[1], data={"question": "q", "answer": "x/2"}))
+
+
+def test_rollout_metrics_keep_planted_samples_apart(parts):
+    """Mixed batches: success by turn for the sampled first answers, and separately for the planted ones."""
+    tok, _, engine, judge = parts
+    agent = ReflectionAgent(RolloutController([engine]), tok, SamplingParams(max_new_tokens=10, temperature=1.0),
+                            judge, max_turns=2, plant_first_answer=0.5)
+    rows = [{"question": f"What is {i}+1?", "answer": str(i + 1)} for i in range(8)]
+    samples = run(agent, [Sample(prompt_ids=_arith_prompt(tok, r["question"]), data=r, group_id=f"g{k}", index=i)
+                          for k, r in enumerate(rows) for i in range(2)])
+    assert all(a.metrics["planted"] == b.metrics["planted"] for a, b in zip(samples[::2], samples[1::2]))
+    planted = [s for s in samples if s.metrics["planted"]]
+    natural = [s for s in samples if not s.metrics["planted"]]
+    assert planted and natural
+    m = rollout_metrics(samples)
+    assert m["rollout/planted_mean"] == len(planted) / len(samples)
+    assert m["rollout/planted/recovered_at_turn_2"] == sum(s.metrics["solved_turn"] == 2 for s in planted) / len(
+        planted)
+    assert m.get("rollout/solved_at_turn_1", 0.0) == sum(s.metrics["solved_turn"] == 1 for s in natural) / len(natural)

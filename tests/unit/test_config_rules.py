@@ -122,6 +122,10 @@ def test_cli_prints_input_errors_without_a_traceback_and_leaves_no_folder(tiny_p
         (["agent.kind=reflection", "agent.kwargs={max_turn: 3}"], "config error: agent.kwargs.max_turn: unknown "
                                                                    "option for agent ReflectionAgent; its options are "
                                                                    "max_turns"),
+        (["agent.kind=reflection", "agent.kwargs={plant_first_answer: 2}"], "agent.kwargs.plant_first_answer must "
+                                                                            "be in [0, 1], got 2"),
+        (["agent.kind=reflection", "eval.agent_kwargs={max_turn: 3}"], "config error: eval.agent_kwargs.max_turn: "
+                                                                        "unknown option for agent ReflectionAgent"),
     ]
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(b'{"question": "a", "answer": "1"}\n{"question": "caf\xe9", "answer": "2"}\n')
