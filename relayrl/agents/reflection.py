@@ -34,6 +34,8 @@ retries start from different wrong answers; from one planted state per group, th
 with each other on equal footing and the held-out rate is comparable across checkpoints. The planted turn is
 context (never trained) and counts as turn 1: a retry that succeeds is "solved at turn 2". Which groups are
 planted is a function of the question (p = 1: all; evaluate with p = 1 to measure recovery from planted states).
+Measured on SmolLM2-135M (docs/benchmarks.md): 20 steps at p = 1 raised recovery from planted states (8.2% ->
+12.1%, one run) but not from the model's own mistakes.
 """
 
 from __future__ import annotations
