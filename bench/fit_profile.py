@@ -4,9 +4,9 @@
 Why: the train phase is most of relayrl's GRPO step (docs/benchmarks.md, "Speed: one GRPO step"). This builds the
 README job (examples/arithmetic_grpo.yaml plus overrides), rolls out one batch, fits it once plainly (timed), again
 under torch.profiler, and a third time to count the matmuls' FLOPs (counting slows the small ops); groups the
-profiled fit's self
-times (matmuls, attention, casts and copies, elementwise and the rest) and sets the matmuls' FLOPs against this
-machine's matmul rate at a training shape: the fit's floor at these settings is the matmul FLOPs at that rate.
+profiled fit's self times (matmuls, attention, casts and copies, elementwise and the rest) and sets the matmuls'
+FLOPs against this machine's matmul rate at a training shape (bench/matmul_isa.measure): the fit's floor at these
+settings is the matmul FLOPs at that rate.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/fit_profile.py sampling.max_new_tokens=128   # the GRPO bench's lengths
     HF_HUB_OFFLINE=1 .venv/bin/python bench/fit_profile.py --out /tmp/p.json model.gradient_checkpointing=false
@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
 import time
 from collections import defaultdict
 
 import _common
+import matmul_isa
 
+PEAK_SHAPE = (1024, 576, 1536)  # [rows x in] @ [in x out]: an MLP up-projection of SmolLM2-135M in training
 MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
 ATTENTION = ("_SegmentKernel", "_SegmentKernelBackward", "aten::_scaled_dot_product", "aten::scaled_dot_product")
 COPIES = {"aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::index_select", "aten::cat"}
@@ -46,23 +47,7 @@ def category(name: str) -> str:
     return "other"
 
 
-def matmul_gflops(dtype, rows: int = 1024, k: int = 576, n: int = 1536, repeats: int = 7) -> float:
-    """Median GFLOP/s of a [rows x k] @ [k x n] matmul (an MLP up-projection of SmolLM2-135M) in `dtype`."""
-    import torch
-
-    a, b = torch.randn(rows, k).to(dtype), torch.randn(k, n).to(dtype)
-    a @ b
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(10):
-            a @ b
-        times.append((time.perf_counter() - t0) / 10)
-    return 2 * rows * k * n / statistics.median(times) / 1e9
-
-
 def profile_fit(overrides: list[str]) -> dict:
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     import relayrl.run.loop  # noqa: F401 - everything the CLI imports
@@ -103,7 +88,8 @@ def profile_fit(overrides: list[str]) -> dict:
         ops.append((s, e.key, e.count))
     flops = sum(e.flops or 0 for e in counted.key_averages() if e.key in MATMUL)
     mm_s = by_cat["matmul"]
-    peak = matmul_gflops(torch.bfloat16 if settings["autocast_bf16"] else torch.float32)
+    peak = matmul_isa.measure("bfloat16" if settings["autocast_bf16"] else "float32", repeats=7,
+                              shapes=[PEAK_SHAPE])[0]["gflops"]
     total = sum(by_cat.values())
     return {"settings": settings, "overrides": overrides, "fit_s": round(plain_s, 2),
             "profiled_fit_s": round(profiled_s, 2), "self_s_total": round(total, 2),

@@ -24,13 +24,13 @@ import _common
 SHAPES = [(2048, 576, 1536), (2048, 1536, 576), (2048, 576, 576), (64, 576, 1536), (2048, 576, 49152)]
 
 
-def measure(dtype_name: str, repeats: int = 5) -> list[dict]:
-    """GFLOP/s per shape in this process (torch's default threads)."""
+def measure(dtype_name: str, repeats: int = 5, shapes=SHAPES) -> list[dict]:
+    """GFLOP/s per shape (default: SHAPES) in this process (torch's default threads)."""
     import torch
 
     dtype = getattr(torch, dtype_name)
     out = []
-    for m, k, n in SHAPES:
+    for m, k, n in shapes:
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
         a @ b.t()  # warm-up: first-call dispatch and packing
         times = []

@@ -108,7 +108,8 @@ class ReflectionAgent(Agent):
     async def generate_sample(self, sample: Sample) -> Sample:
         successes: list[float] = []
         answers: list[str | None] = []
-        if self._planted(sample):
+        planted = self._planted(sample)
+        if planted:
             answers.append(self.plant(sample))
             successes.append(0.0)
         for turn in range(len(answers), self.max_turns):
@@ -131,10 +132,9 @@ class ReflectionAgent(Agent):
                 break
         repeated = [k > 0 and a is not None and a in answers[:k] for k, a in enumerate(answers)]
         self._set_rewards(sample, successes, repeated)
-        if self.train_turns == "retries" and len(sample.turns) == len(successes):
+        if self.train_turns == "retries" and not planted:  # a planted first turn is context already
             sample.mask_turn(0)
-        sample.metrics.update(retries=float(len(answers) - 1), repeats=float(sum(repeated)),
-                              planted=float(len(sample.turns) < len(successes)))
+        sample.metrics.update(retries=float(len(answers) - 1), repeats=float(sum(repeated)), planted=float(planted))
         sample.response_text = self.decode(sample.response_ids)
         sample.status = Status.COMPLETED
         return sample

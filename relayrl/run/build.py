@@ -75,7 +75,8 @@ def check_user_code(cfg: Config) -> type[Agent]:
         name, why = problem
         raise ConfigError(why, key=f"judge.kwargs.{name}" if name else "judge.reward_fn")
     _check_agent_kwargs(agent_cls, cfg.agent.kwargs)
-    _check_agent_kwargs(agent_cls, cfg.agent.kwargs | cfg.eval.agent_kwargs, "eval.agent_kwargs")
+    if cfg.eval.agent_kwargs:
+        _check_agent_kwargs(agent_cls, cfg.agent.kwargs | cfg.eval.agent_kwargs, "eval.agent_kwargs")
     return agent_cls
 
 
