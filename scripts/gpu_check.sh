@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # GPU check: on a machine with CUDA, run the GPU tests (pytest -m gpu: engine logprob parity, a train step, weight
-# sync, a colocated run, all on the tiny random model) and the rollout and train-step benches on the GPU
-# (SmolLM2-135M-Instruct), writing bench/results/gpu_rollout.json and bench/results/gpu_train_step.json.
-# Without CUDA it says so and exits 0, running nothing. Nothing is downloaded: the models are the tiny random
-# model (built locally by the tests) and the SmolLM2 folder scripts/setup.sh prepared; GSM8K comes from disk.
+# sync, a colocated run, all on the tiny random model), the rollout and train-step benches on the GPU, and a short
+# GSM8K GRPO run through the CLI on the GPU, writing bench/results/gpu_rollout.json, bench/results/gpu_train_step.json
+# and bench/results/gpu_grpo_run.jsonl (the run's metrics). Without CUDA it says so and exits 0, running nothing.
+# Nothing is downloaded: the tests build the tiny random model; the benches and the run use MODEL (default the
+# SmolLM2 folder scripts/setup.sh prepared; on a machine the weights can't reach, a folder of SmolLM2's shape and
+# tokenizer with random weights: bench/random_model.py); GSM8K comes from disk ($RELAYRL_GSM8K_DIR or the default).
 #
-#   bash scripts/gpu_check.sh            # PYTHON=path/to/python to use another interpreter than .venv's
+#   bash scripts/gpu_check.sh            # PYTHON=path/to/python for another interpreter than .venv's, MODEL=folder
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
+MODEL=${MODEL:-smollm2}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
@@ -19,19 +22,35 @@ fi
 "$PY" -c 'import torch; print("gpu_check: on", torch.cuda.get_device_name(0), "| torch", torch.__version__)'
 
 # what the benches read, checked before anything runs (scripts/setup.sh prepares both)
-"$PY" - <<'EOF'
-import sys
+MODEL="$MODEL" "$PY" - <<'PYEOF'
+import os, sys
 from relayrl.data import find_gsm8k
 from relayrl.models import resolve_model_path
 try:
-    resolve_model_path("smollm2", prepare=False)
+    resolve_model_path(os.environ["MODEL"], prepare=False)
     find_gsm8k("test"), find_gsm8k("train")
 except FileNotFoundError as e:
-    sys.exit(f"gpu_check: {e}\n(run scripts/setup.sh first; this script downloads nothing)")
-EOF
+    sys.exit(f"gpu_check: {e}\n(run scripts/setup.sh first, or set MODEL; this script downloads nothing)")
+PYEOF
 
-"$PY" -m pytest -m gpu -q -rs
+# every step runs even when one before it failed (a GPU machine is scarce: one pass should say everything), each
+# under a time limit; the script fails at the end naming the steps that failed
+failed=()
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2; shift 2
+    echo "gpu_check: == $name"
+    local t0=$SECONDS
+    if timeout "$limit" "$@"; then echo "gpu_check: $name passed in $((SECONDS - t0)) s"
+    else echo "gpu_check: $name FAILED (exit $?) after $((SECONDS - t0)) s"; failed+=("$name"); fi
+}
 mkdir -p bench/results
-"$PY" bench/rollout.py --device cuda --sides local,hf --out bench/results/gpu_rollout.json
-"$PY" bench/train_step.py --device cuda --out bench/results/gpu_train_step.json
-echo "gpu_check: tests passed; results in bench/results/gpu_rollout.json and bench/results/gpu_train_step.json"
+run_dir=$(mktemp -d)
+step tests 300 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider
+step rollout 300 "$PY" bench/rollout.py --device cuda --sides local,hf --model "$MODEL" --out bench/results/gpu_rollout.json
+step train_step 300 "$PY" bench/train_step.py --device cuda --model "$MODEL" --out bench/results/gpu_train_step.json
+step grpo_run 300 "$PY" -m relayrl train --config examples/gsm8k_grpo.yaml model.path="$MODEL" run.device=cuda \
+    run.steps=4 eval.at_start=false eval.at_end=false run.output_dir="$run_dir" run.tensorboard=false
+[ -f "$run_dir"/gsm8k_grpo/metrics.jsonl ] && cp "$run_dir"/gsm8k_grpo/metrics.jsonl bench/results/gpu_grpo_run.jsonl
+if [ ${#failed[@]} -gt 0 ]; then echo "gpu_check: FAILED: ${failed[*]}"; exit 1; fi
+echo "gpu_check: all passed; results in bench/results/gpu_rollout.json, bench/results/gpu_train_step.json," \
+     "bench/results/gpu_grpo_run.jsonl"
