@@ -7,11 +7,14 @@ so nothing is tied to the CPU except what must be (the C decode kernel, which Lo
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where it is used: the config schema validates settings without it
     import torch
+
+log = logging.getLogger(__name__)
 
 DEVICE_SETTINGS = "auto, cpu, cuda or cuda:N"
 _PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -48,3 +51,21 @@ def resolve_device(setting: str | torch.device | None = "auto") -> torch.device:
 def model_device(model: torch.nn.Module) -> torch.device:
     """The device of a model's weights (the first parameter's; relayrl keeps a model on one device)."""
     return next(model.parameters()).device
+
+
+def avoid_cudnn_attention(device: torch.device) -> None:
+    """On CUDA, turn off scaled_dot_product_attention's cuDNN backend (flash, memory-efficient and math stay on).
+
+    Why: cuDNN builds an execution plan per input shape, and relayrl's shapes change at every call: a decode step
+    grows the context by one token, packed training changes the rows of every micro-batch. Measured on an H200
+    (torch 2.11, bench/decode_profile.py, docs/benchmarks.md "On a GPU"): a SmolLM2-135M decode step at batch 32
+    spent 62 of its 94 ms of host time in 30 cuDNN attention calls (2 ms each), against 5.5 ms of GPU time for
+    the whole step. The switch is process-wide (torch has no per-thread one), set by the engine and the trainer
+    when their model is on a GPU; a program that wants cuDNN back calls torch.backends.cuda.enable_cudnn_sdp(True).
+    """
+    import torch
+
+    if device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        log.info("SDPA's cuDNN backend turned off: it re-plans per shape, and decode and packed training change "
+                 "shape at every call (relayrl.common.device.avoid_cudnn_attention)")

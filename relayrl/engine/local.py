@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from relayrl.common.device import model_device
+from relayrl.common.device import avoid_cudnn_attention, model_device
 from relayrl.common.utils import release_openmp_threads
 from relayrl.engine import attention
 from relayrl.engine.base import GenOutput, SamplingParams
@@ -99,6 +99,7 @@ class LocalEngine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.device = model_device(model)
+        avoid_cudnn_attention(self.device)
         if kv_cache_bytes is not None and kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {kv_cache_bytes}")
         # grown on the first admission to what the batch needs: start at one small slot

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from relayrl.common.device import model_device
+from relayrl.common.device import avoid_cudnn_attention, model_device
 from relayrl.common.utils import trim_memory
 from relayrl.models import load_model
 from relayrl.models.attention import install as install_attention
@@ -40,6 +40,7 @@ class TrainEngine:
                  optimizer_state_dtype: str = "float32"):
         self.model = model
         self.device = model_device(model)
+        avoid_cudnn_attention(self.device)
         params = [p for p in model.parameters() if p.requires_grad]
         # eval mode except inside train_step: a local engine may generate on this very model (shared weights),
         # and dropout, LoRA dropout and gradient checkpointing belong to training only

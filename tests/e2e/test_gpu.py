@@ -54,3 +54,16 @@ def test_weight_sync_to_the_engine_on_cuda(tiny_path, tmp_path):
 
 def test_colocated_run_on_cuda(tiny_path, tmp_path):
     check_colocated_run(tiny_path, "cuda", tmp_path)
+
+
+def test_cuda_engine_and_trainer_turn_cudnn_attention_off(tiny_path):
+    """cuDNN SDPA re-plans per shape (2 ms of host time per call on an H200; relayrl.common.device)."""
+    from relayrl.trainer.engine import TrainEngine
+
+    for make in (lambda: engine_on(tiny_path, "cuda", max_batch_size=2),
+                 lambda: TrainEngine.from_pretrained(tiny_path, device="cuda")):
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        obj = make()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        if hasattr(obj, "close"):
+            obj.close()

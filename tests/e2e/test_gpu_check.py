@@ -44,3 +44,24 @@ def test_random_model_has_the_shape_and_tokenizer_and_generates(tiny_path, tmp_p
     assert len(res.output_ids) == 4
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert again.returncode != 0 and "exists" in again.stderr  # never overwrites a folder
+
+
+def test_engine_step_parts_and_decode_profile_run_on_the_cpu(tiny_path, tmp_path):
+    """The two probes that found the GPU's host-bound decode, on the tiny model: their parts add up and the
+    profiles name real ops."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "parts.json"
+    proc = subprocess.run([sys.executable, "bench/engine_step_parts.py", "--quick", "--profile", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    steps = r["decode_steps"]
+    assert steps == r["workload"]["max_new_tokens"] - 1  # the first token of each sample comes from its prefill
+    assert r["parts_s"]["forward_decode"] <= r["parts_s"]["decode_step"] <= r["worker_busy_s"] <= r["wall_s"]
+    assert r["bare_decode_forward_ms"] > 0
+    assert any(op["op"] in ("aten::mm", "aten::addmm") for op in r["profile"]["self_cpu_time_total"])
+    assert r["profile"]["python_tottime"]
+    cmd = [sys.executable, "bench/decode_profile.py", tiny_path, "cpu", "--batch", "4", "--context", "16"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "decode ms" in proc.stdout and "self_cpu_time_total" in proc.stdout

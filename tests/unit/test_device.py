@@ -100,3 +100,20 @@ def test_a_micro_batch_moves_every_tensor_and_stays_itself_on_the_cpu():
     layout = (moved.layout.out_index, *(t for b in moved.layout.buckets for t in (b.q_index, b.kv_index, b.mask)))
     assert all(t.device.type == "meta" for t in layout)  # the shared-prompt attention's indices go along
     assert (moved.sample_idx, moved.real_tokens, moved.num_tokens) == (mb.sample_idx, mb.real_tokens, mb.num_tokens)
+
+
+def test_cudnn_attention_is_turned_off_for_cuda_models_only():
+    """The flag is process-wide and exists in CPU builds too, so the rule is checked here; tests/e2e/test_gpu.py
+    checks that a CUDA engine and trainer set it."""
+    from relayrl.common.device import avoid_cudnn_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        avoid_cudnn_attention(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        avoid_cudnn_attention(torch.device("cuda", 0))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
