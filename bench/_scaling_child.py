@@ -205,14 +205,18 @@ def _parts(trainer, engine, runtime: int, act: dict, kv: int, vocab: int) -> dic
             "logits_chunk": working_bytes(vocab), "engine_weights": engine_w, "kv_cache": kv}
 
 
-def _settings(spec: dict, cfg, engine) -> dict:
+def _settings(spec: dict, cfg, engine, trainer) -> dict:
     import torch
 
-    return {"engine_dtype": cfg.engine.dtype, "train_dtype": cfg.model.train_dtype,
+    from relayrl.run.build import _memory_plan
+
+    return {"memory_plan": _memory_plan(cfg, trainer), "engine_dtype": cfg.engine.dtype,
+            "train_dtype": cfg.model.train_dtype,
             "autocast_bf16": cfg.model.autocast_bf16, "shared_weights": not engine.owns_weights,
             "release_during_train": cfg.engine.release_during_train,
             "micro_batch_tokens": cfg.train.micro_batch_tokens,
-            "gradient_checkpointing": cfg.model.gradient_checkpointing,
+            "gradient_checkpointing": trainer.gradient_checkpointing,  # as the trainer decided ("auto" resolved)
+            "gradient_checkpointing_setting": cfg.model.gradient_checkpointing,
             "attention": engine.attention, "threads": torch.get_num_threads(),
             "malloc_trim": bool(spec.get("malloc_trim")),
             "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k in ALLOCATOR_ENV}}
@@ -262,4 +266,4 @@ def run_child(spec: dict) -> dict:
             "unexplained_gb": (peak - expected_train) / GB, "phase_peak_rss_gb": peaks, "steps": steps,
             "micro_batches": [{"rows": mb.input_ids.shape[0], "width": mb.input_ids.shape[1],
                                "trained_tokens": mb.num_tokens} for mb in mbs],
-            "settings": _settings(spec, cfg, engine)}
+            "settings": _settings(spec, cfg, engine, trainer)}

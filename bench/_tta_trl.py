@@ -68,7 +68,7 @@ def grpo_config(cfg: Config, out_dir: str, micro_batch: int):
     args = GRPOConfig(
         output_dir=out_dir, use_cpu=resolve_device(cfg.run.device).type == "cpu", bf16=bool(cfg.model.autocast_bf16),
         fp16=False, seed=cfg.run.seed, data_seed=cfg.run.seed, use_vllm=False,
-        gradient_checkpointing=cfg.model.gradient_checkpointing, num_generations=cfg.data.group_size,
+        gradient_checkpointing=cfg.model.gradient_checkpointing is True, num_generations=cfg.data.group_size,
         per_device_train_batch_size=micro_batch, gradient_accumulation_steps=total // micro_batch,
         num_iterations=t.epochs, max_completion_length=s.max_new_tokens, temperature=s.temperature,
         top_p=s.top_p, top_k=s.top_k, beta=algo.kl_coef, epsilon=algo.clip_low, epsilon_high=algo.clip_high,

@@ -215,8 +215,13 @@ def run_config(a, overrides: list[str]):
 
 def plan(a, hf_config: dict, params: int, shape: dict, overrides: list[str], mem_total: int) -> dict:
     """The memory estimate of a run and, when it cannot run, why."""
+    from relayrl.common.utils import memory_is_tight
+
     cfg = run_config(a, overrides)
-    est = memory_estimate(hf_config, params, shape, cfg.train.micro_batch_tokens, cfg.model.gradient_checkpointing)
+    gc = cfg.model.gradient_checkpointing
+    if gc == "auto":  # as relayrl.trainer.engine.TrainEngine decides it
+        gc = memory_is_tight(16 * params, mem_total)
+    est = memory_estimate(hf_config, params, shape, cfg.train.micro_batch_tokens, gc)
     avail = meminfo()["MemAvailable"]
     out = {"estimated_need_gb": {k: round(v / GB, 2) for k, v in est.items()}, "mem_available_gb": avail / GB}
     need = est["total"]
@@ -224,7 +229,7 @@ def plan(a, hf_config: dict, params: int, shape: dict, overrides: list[str], mem
         half = f"; bf16 weights and optimizer state (model.train_dtype=bfloat16, 8 B/param) would need ~" \
                f"{(need - est['floor'] / 2) / GB:.1f} GB" if cfg.model.train_dtype == "float32" else ""
         out["not_run"] = (f"the 16 B/param floor alone is {est['floor'] / GB:.1f} GB; with the runtime, "
-                          f"{'' if cfg.model.gradient_checkpointing else 'bf16 weight copies and '}activations a step "
+                          f"{'' if gc else 'bf16 weight copies and '}activations a step "
                           f"needs ~{need / GB:.1f} GB, more than this machine can hold ({mem_total / GB:.1f} GB of "
                           f"RAM, no swap){half}")
     elif need > avail - a.mem_margin_gb * GB:

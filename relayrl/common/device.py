@@ -11,6 +11,8 @@ import logging
 import re
 from typing import TYPE_CHECKING
 
+from relayrl.common.utils import mem_total_bytes
+
 if TYPE_CHECKING:  # torch is imported where it is used: the config schema validates settings without it
     import torch
 
@@ -51,6 +53,15 @@ def resolve_device(setting: str | torch.device | None = "auto") -> torch.device:
 def model_device(model: torch.nn.Module) -> torch.device:
     """The device of a model's weights (the first parameter's; relayrl keeps a model on one device)."""
     return next(model.parameters()).device
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """The memory a model on `device` lives in: the GPU's own, or the machine's RAM (None where unknown)."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(device).total_memory
+    return mem_total_bytes()
 
 
 def avoid_cudnn_attention(device: torch.device) -> None:

@@ -164,7 +164,7 @@ def tune_allocator() -> None:
     (THP_MEM_ALLOC_ENABLE, read once by torch's allocator, so only when torch is not imported yet and the
     variable is unset): one fault per 2 MB instead of 512. Measured on the 135M-shape scaling step
     (docs/benchmarks.md): peak 4.45 -> 3.27 GB, step time +18% with the threshold alone, +10% with huge pages.
-    Off unless asked, because the README job is already under its memory goal and time is the scarcer one;
+    Unset, it is decided per run once the trainer knows its size (`fit_allocator_to`); 0 keeps it off.
     `trim_memory` between phases gives the held memory back at no measured cost.
 
     Also bounds oneDNN's two kernel caches (`bound_onednn_caches`), on any platform.
@@ -176,12 +176,63 @@ def tune_allocator() -> None:
     arenas = int(os.environ.get("RELAYRL_MALLOC_ARENAS", "1"))
     if arenas > 0 and "MALLOC_ARENA_MAX" not in os.environ:
         libc.mallopt(_M_ARENA_MAX, arenas)
-    threshold = int(os.environ.get("RELAYRL_MMAP_THRESHOLD", "0"))
+    threshold = int(os.environ.get("RELAYRL_MMAP_THRESHOLD") or "0")
     if threshold > 0:
         libc.mallopt(_M_MMAP_THRESHOLD, threshold)
         libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold)
         if "torch" not in sys.modules:
             os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
+AUTO_MMAP_THRESHOLD = 1 << 20  # what fit_allocator_to sets: blocks of 1 MiB and more get their own mapping
+# memory is "tight" when the training floor (16 bytes per trainable parameter) is at least this share of the
+# memory that holds it: a step without the memory settings reaches 1.5-4x its floor (docs/benchmarks.md)
+TIGHT_FLOOR_SHARE = 0.2
+
+
+def memory_is_tight(floor_bytes: int, total_bytes: int | None) -> bool:
+    """Whether a run with this floor should trade a little speed for memory (model.gradient_checkpointing "auto",
+    fit_allocator_to): yes when the floor is at least TIGHT_FLOOR_SHARE of `total_bytes` (None: unknown, no)."""
+    return bool(total_bytes) and floor_bytes >= TIGHT_FLOOR_SHARE * total_bytes
+
+
+def fit_allocator_to(floor_bytes: int) -> str:
+    """Fix glibc's mmap threshold at 1 MiB when this process's training floor (16 bytes per trainable parameter)
+    is a large share of the machine's RAM (`memory_is_tight`) and RELAYRL_MMAP_THRESHOLD is unset; say what the
+    allocator does now.
+
+    Why a rule and not a default: the threshold takes the heap's retention of freed activations away (peak 1.27x
+    the floor instead of 1.54x at SmolLM2-360M's shape, 1.18x at Qwen2.5-0.5B's) but every large block then pays
+    fresh page faults: +4% step time at 360M, +18% at 135M (docs/benchmarks.md, "Scaling with model size").
+    Where the floor is small next to the RAM (the README job: 2.15 GB) memory is not what limits the run and the
+    time is kept; where it is large, the retention (0.5-1x the floor) decides whether the run fits. Set after
+    torch is loaded, so without the huge pages tune_allocator asks for (they halve the cost at 135M and change
+    nothing at 360M). Applies to the blocks allocated from now on: the activations of training.
+    """
+    setting = os.environ.get("RELAYRL_MMAP_THRESHOLD") or ""
+    if _glibc() is None:
+        return "the system's allocator (not glibc: nothing to tune)"
+    if setting:
+        threshold = int(setting)
+        return (f"blocks >= {threshold} bytes mapped on their own (RELAYRL_MMAP_THRESHOLD)" if threshold > 0
+                else "glibc's heap (RELAYRL_MMAP_THRESHOLD=0)")
+    if not memory_is_tight(floor_bytes, mem_total_bytes()):
+        return "glibc's heap (auto)"
+    _glibc().mallopt(_M_MMAP_THRESHOLD, AUTO_MMAP_THRESHOLD)
+    _glibc().mallopt(_M_TRIM_THRESHOLD, 2 * AUTO_MMAP_THRESHOLD)
+    return "freed blocks >= 1 MiB go back to the OS at once (auto; RELAYRL_MMAP_THRESHOLD=0 for glibc's heap)"
+
+
+def mem_total_bytes() -> int | None:
+    """The machine's RAM (MemTotal of /proc/meminfo), or None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 ONEDNN_CACHE_CAPACITY = 128  # kernels kept per cache: a step's distinct bf16 matmul shapes, with room

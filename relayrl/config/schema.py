@@ -28,8 +28,9 @@ class ModelConfig:
     # bf16 autocast for trainer forward/backward (fp32 master weights); auto: on where bf16 is native (a GPU
     # with bf16, a CPU with AVX512-BF16 or AMX: ~0.7x the fit time), off where it is emulated (AVX2 CPUs)
     autocast_bf16: bool | Literal["auto"] = "auto"
-    # recompute each layer in backward: activations of one layer, ~30% more compute
-    gradient_checkpointing: bool = False
+    # recompute each layer in backward: activations of one layer, ~30% more compute; auto: on when the training
+    # floor (16 bytes per trainable parameter) is at least a fifth of the trainer device's memory (relayrl.common.utils)
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
     # LoRA (peft): train low-rank adapters only; only they travel to the engines (relayrl/trainer/lora.py)
     lora_rank: int = 0  # 0: off (full-parameter training)
     lora_alpha: float = 16.0  # the adapter's scaling is lora_alpha / lora_rank

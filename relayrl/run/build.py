@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from relayrl.agents import AGENTS, Agent
-from relayrl.common.device import resolve_device
+from relayrl.common.device import device_memory_bytes, resolve_device
 from relayrl.common.hardware import resolve_autocast, resolve_dtype
 from relayrl.common.net import free_port
-from relayrl.common.utils import check_writable, tune_allocator
+from relayrl.common.utils import check_writable, fit_allocator_to, tune_allocator
 from relayrl.config import ConfigError, dump_yaml, import_named
 from relayrl.config.schema import Config
 from relayrl.data import DataManager, PromptBuilder, load_rows
@@ -365,13 +365,26 @@ def make_scheduler(cfg: Config, rollout_ctl: RolloutController) -> SyncScheduler
                          max_attempts_factor=s.max_attempts_factor)
 
 
+def _memory_plan(cfg: Config, train_engine: TrainEngine) -> str:
+    """Settle the allocator for this trainer and say, in one line, its floor and the memory settings in force (the
+    "auto" ones decided by relayrl.common.utils.memory_is_tight from the floor and the device's memory)."""
+    floor = train_engine.floor_bytes * (cfg.train.world_size if cfg.train.engine == "fsdp" else 1)
+    total = device_memory_bytes(train_engine.device)
+    share = f" = {floor / total:.0%} of {total / 1e9:.1f} GB" if total else ""
+    how = "auto" if cfg.model.gradient_checkpointing == "auto" else "set"
+    parts = [f"gradient checkpointing {'on' if train_engine.gradient_checkpointing else 'off'} ({how})"]
+    if train_engine.device.type == "cpu":  # the trainer's heap: freed activations back to the OS at once or not
+        parts.append(fit_allocator_to(floor))
+    return f"memory: training floor {floor / 1e9:.2f} GB (16 bytes/trainable param){share}; " + "; ".join(parts)
+
+
 def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainController:
     """The policy's engine on run.device (FSDP: each rank's device, from its process group), the KL reference
     beside it on the same device."""
     t = cfg.train
     engine_kw = dict(temperature=cfg.sampling.temperature, autocast_bf16=cfg.model.autocast_bf16)
     optim_kw = dict(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                    gradient_checkpointing=cfg.model.gradient_checkpointing)
+                    gradient_checkpointing=cfg.model.gradient_checkpointing)  # "auto": decided by the engine
     if t.engine == "fsdp":  # this process's shard; the process group is up (relayrl.run.loop.train)
         train_engine = FSDPEngine.from_pretrained(model_path, dtype=cfg.model.train_dtype,
                                                   mixed_precision=t.fsdp_mixed_precision, **optim_kw, **engine_kw)
@@ -380,6 +393,7 @@ def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainControl
                                                    device=resolve_device(cfg.run.device),
                                                    optimizer_state_dtype=t.optimizer_state_dtype, **optim_kw,
                                                    **engine_kw)
+    print(_memory_plan(cfg, train_engine))
     ref_engine = None
     if cfg.algo.kl_coef > 0 and cfg.model.lora_rank:  # the policy with its adapters off: no second copy
         ref_engine = BaseReference(train_engine)

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from relayrl.common.device import avoid_cudnn_attention, model_device
-from relayrl.common.utils import trim_memory
+from relayrl.common.device import avoid_cudnn_attention, device_memory_bytes, model_device
+from relayrl.common.utils import memory_is_tight, trim_memory
 from relayrl.models import load_model
 from relayrl.models.attention import install as install_attention
 from relayrl.trainer.algo import reduce_stats
@@ -36,8 +36,10 @@ LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor | None], tuple[torch.T
 class TrainEngine:
     def __init__(self, model: torch.nn.Module, *, lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
                  weight_decay: float = 0.0, grad_clip: float = 1.0, temperature: float = 1.0,
-                 autocast_bf16: bool = False, gradient_checkpointing: bool = False,
+                 autocast_bf16: bool = False, gradient_checkpointing: bool | str = False,
                  optimizer_state_dtype: str = "float32"):
+        """gradient_checkpointing "auto": on when the training floor (16 bytes per trainable parameter) is a large
+        share of the device's memory (relayrl.common.utils.memory_is_tight); the choice is `gradient_checkpointing`."""
         self.model = model
         self.device = model_device(model)
         avoid_cudnn_attention(self.device)
@@ -46,6 +48,10 @@ class TrainEngine:
         # and dropout, LoRA dropout and gradient checkpointing belong to training only
         self.model.eval()
         self._trainable = bool(params)
+        self.floor_bytes = 16 * sum(p.numel() for p in params)
+        if gradient_checkpointing == "auto":
+            gradient_checkpointing = memory_is_tight(self.floor_bytes, device_memory_bytes(self.device))
+        self.gradient_checkpointing = bool(gradient_checkpointing)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # shared-prompt rows attend without their dense mask where the model runs SDPA (relayrl.models.segments)

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from relayrl.common.device import device_memory_bytes
+from relayrl.common.utils import memory_is_tight
 from relayrl.models.attention import install as install_attention
 from relayrl.trainer.algo import reduce_stats
 from relayrl.trainer.engine import LossFn, TrainEngine, decoder_inputs, head_logprobs
@@ -85,7 +87,7 @@ class FSDPEngine(TrainEngine):
     sharded = True  # relayrl.run.checkpoint: weights and optimizer state are saved per rank (checkpoint_dist)
 
     def __init__(self, model: torch.nn.Module, *, mixed_precision: bool = False,
-                 gradient_checkpointing: bool = False, **kwargs):
+                 gradient_checkpointing: bool | str = False, **kwargs):
         """Shard `model` (fully_shard per decoder layer, then the root) across the process group.
 
         mixed_precision: bf16 parameters in forward/backward, fp32 gradient reduction and fp32 master
@@ -97,12 +99,17 @@ class FSDPEngine(TrainEngine):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         device = (torch.device("cuda", torch.cuda.current_device())
                   if dist.get_backend() == "nccl" else torch.device("cpu"))
+        if gradient_checkpointing == "auto":  # the whole model's floor: the ranks share one machine or GPU's worth each
+            floor = 16 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+            gradient_checkpointing = memory_is_tight(floor // (self.world_size if device.type == "cuda" else 1),
+                                                     device_memory_bytes(device))
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()  # before sharding, while the layers are plain modules
         model.to(device)
         self.root = _shard(model, mixed_precision)
         super().__init__(model, **kwargs)  # TrainEngine moves micro-batches to self.device, returns logprobs on CPU
         self.device = device  # the backend's device, whatever a sharded parameter reports
+        self.gradient_checkpointing = bool(gradient_checkpointing)
 
     # ---- forward ------------------------------------------------------------------------------
     def _token_logprobs(self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool):

@@ -140,3 +140,45 @@ def test_bf16_matmul_kernel_caches_stay_bounded_as_shapes_vary():
         pytest.skip(f"bf16 matmuls do not build oneDNN kernels on this CPU (heap grew {unbounded:.1f} MB "
                     f"for 400 shapes; no native bf16): nothing to bound")
     assert _onednn_growth_mb("bound") < 0.1 * unbounded, unbounded
+
+
+HEAP_PROBE = """
+import sys
+from relayrl.common.utils import fit_allocator_to
+import torch
+big = torch.empty(16 << 20, dtype=torch.uint8)
+big.fill_(1)
+del big  # freeing a mapped 16 MB block raises glibc's dynamic mmap threshold to 16 MB
+why = fit_allocator_to(int(sys.argv[1]))
+x = torch.empty(4 << 20, dtype=torch.uint8)
+addr, where = x.data_ptr(), "?"
+with open("/proc/self/maps") as f:
+    for line in f:
+        parts = line.split()
+        lo, hi = (int(v, 16) for v in parts[0].split("-"))
+        if lo <= addr < hi:
+            where = parts[5] if len(parts) > 5 else "anonymous"
+print("at once" in why, where)
+"""
+
+
+def _heap_probe(floor: int, env: dict) -> tuple[bool, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RELAYRL_MMAP_THRESHOLD",)} | env
+    out = subprocess.run([sys.executable, "-c", HEAP_PROBE, str(floor)], env=env, capture_output=True, text=True,
+                         check=True)
+    decided, where = out.stdout.split()
+    return decided == "True", where
+
+
+def test_the_mmap_threshold_is_fixed_only_when_the_training_floor_is_a_large_share_of_ram():
+    """A 4 MB activation-sized block comes from the heap under glibc's risen threshold (where freed blocks are
+    kept); with the floor at a fifth of the RAM or more, it gets its own mapping (returned when freed).
+    RELAYRL_MMAP_THRESHOLD, when set (0 included), wins."""
+    from relayrl.common.utils import TIGHT_FLOOR_SHARE, mem_total_bytes
+
+    total = mem_total_bytes()
+    assert total and total > 1 << 30
+    small, large = int(TIGHT_FLOOR_SHARE * total) - 1, int(TIGHT_FLOOR_SHARE * total) + 1
+    assert _heap_probe(small, {}) == (False, "[heap]")
+    assert _heap_probe(large, {}) == (True, "anonymous")
+    assert _heap_probe(large, {"RELAYRL_MMAP_THRESHOLD": "0"}) == (False, "[heap]")
