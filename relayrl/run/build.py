@@ -368,7 +368,7 @@ def make_scheduler(cfg: Config, rollout_ctl: RolloutController) -> SyncScheduler
 def _memory_plan(cfg: Config, train_engine: TrainEngine) -> str:
     """Settle the allocator for this trainer and say, in one line, its floor and the memory settings in force (the
     "auto" ones decided by relayrl.common.utils.memory_is_tight from the floor and the device's memory)."""
-    floor = train_engine.floor_bytes * (cfg.train.world_size if cfg.train.engine == "fsdp" else 1)
+    floor = train_engine.floor_bytes  # FSDP: the whole model's (its ranks share this machine's RAM)
     total = device_memory_bytes(train_engine.device)
     share = f" = {floor / total:.0%} of {total / 1e9:.1f} GB" if total else ""
     how = "auto" if cfg.model.gradient_checkpointing == "auto" else "set"

@@ -99,8 +99,8 @@ class FSDPEngine(TrainEngine):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         device = (torch.device("cuda", torch.cuda.current_device())
                   if dist.get_backend() == "nccl" else torch.device("cpu"))
-        if gradient_checkpointing == "auto":  # the whole model's floor: the ranks share one machine or GPU's worth each
-            floor = 16 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+        floor = 16 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # the whole model's, unsharded
+        if gradient_checkpointing == "auto":  # CPU ranks share the machine's RAM; GPU ranks hold a share each
             gradient_checkpointing = memory_is_tight(floor // (self.world_size if device.type == "cuda" else 1),
                                                      device_memory_bytes(device))
         if gradient_checkpointing:
@@ -109,7 +109,7 @@ class FSDPEngine(TrainEngine):
         self.root = _shard(model, mixed_precision)
         super().__init__(model, **kwargs)  # TrainEngine moves micro-batches to self.device, returns logprobs on CPU
         self.device = device  # the backend's device, whatever a sharded parameter reports
-        self.gradient_checkpointing = bool(gradient_checkpointing)
+        self.gradient_checkpointing, self.floor_bytes = bool(gradient_checkpointing), floor
 
     # ---- forward ------------------------------------------------------------------------------
     def _token_logprobs(self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool):

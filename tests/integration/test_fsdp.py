@@ -87,6 +87,8 @@ def worker(model_path: str, out: str) -> None:
         calls, forward = [], engine.forward_logprobs
         engine.forward_logprobs = lambda mb, calls=calls, forward=forward: calls.append(1) or forward(mb)
         results["forward_all"][kind] = (engine.forward_logprobs_all(forward_batch().micro_batches), len(calls))
+    auto = FSDPEngine(load_model(model_path), lr=LR, gradient_checkpointing="auto")
+    results["auto_memory"] = (auto.floor_bytes, auto.gradient_checkpointing)
     results["mismatch"] = None
     try:  # rank r drops its last r samples: a batch that differs between ranks must be refused
         make_controller(FSDPEngine(load_model(model_path), lr=LR), "sgd").fit(make_samples()[: 9 - rank])
@@ -188,6 +190,16 @@ def test_fsdp_packed_equals_padded_across_ranks(worlds):
 def test_fsdp_gradient_checkpointing_gives_the_same_step(worlds):
     for ws in (1, 2):
         assert_same_update(worlds[ws][0]["ckpt"], worlds[ws][0]["sgd"], atol=1e-6)
+
+
+def test_fsdp_memory_floor_is_the_whole_models_on_every_rank(worlds, tiny_path):
+    """The start line's floor (relayrl.run.build._memory_plan) is the unsharded model's, whatever the world size;
+    "auto" leaves checkpointing off for a model this small next to the machine's RAM."""
+    from relayrl.models import load_model
+
+    floor = 16 * sum(p.numel() for p in load_model(tiny_path).parameters())
+    for ws in (1, 2):
+        assert all(rank["auto_memory"] == (floor, False) for rank in worlds[ws].values())
 
 
 def test_fsdp_bf16_mixed_precision(worlds, reference):
