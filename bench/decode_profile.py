@@ -18,9 +18,10 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 
+import _common
 import torch
+from engine_step_parts import bare_decode, times_ms
 from torch.profiler import ProfilerActivity, profile
 
 from relayrl.common.device import avoid_cudnn_attention
@@ -42,43 +43,28 @@ def main() -> None:
     print("param devices", {str(p.device) for p in m.parameters()}, "buffers", {str(b.device) for b in m.buffers()},
           "attn", m.config._attn_implementation, "threads", torch.get_num_threads(),
           "cudnn sdpa", torch.backends.cuda.cudnn_sdp_enabled())
-    ids = torch.randint(0, min(1000, m.config.vocab_size), (a.batch, a.context), device=dev)
-
-    def sync():
-        if dev != "cpu":
-            torch.cuda.synchronize()
-
-    with torch.inference_mode():
-        out = m(input_ids=ids, use_cache=True)
-        cache, nxt = out.past_key_values, ids[:, -1:]
-        ts = []
-        for _ in range(10):  # the context grows by one per call, as in generation
-            sync()
-            t = time.perf_counter()
-            m(input_ids=nxt, past_key_values=cache, use_cache=True)
-            sync()
-            ts.append((time.perf_counter() - t) * 1e3)
-        print("decode ms", [round(x, 1) for x in ts])
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev != "cpu" else [])
-        with profile(activities=acts) as prof:
-            m(input_ids=nxt, past_key_values=cache, use_cache=True)
-            sync()
-        ev = prof.key_averages()
-        print("total self cpu ms", round(sum(e.self_cpu_time_total for e in ev) / 1e3, 2),
-              "self device ms", round(sum(getattr(e, "self_device_time_total", 0) for e in ev) / 1e3, 2))
-        for key in ("self_cpu_time_total", "self_device_time_total"):
-            print("--", key)
-            for e in sorted(ev, key=lambda e: getattr(e, key, 0), reverse=True)[:10]:
-                print(f"   {e.key[:60]:60s} calls {e.count:5d} cpu {e.self_cpu_time_total / 1e3:8.2f} "
-                      f"dev {getattr(e, 'self_device_time_total', 0) / 1e3:8.2f}")
-        pr = cProfile.Profile()
-        pr.enable()
-        m(input_ids=nxt, past_key_values=cache, use_cache=True)
-        sync()
-        pr.disable()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(12)
-        print(s.getvalue()[-2500:])
+    step = bare_decode(m, a.batch, a.context, min(1000, m.config.vocab_size))
+    print("decode ms", [round(x, 1) for x in times_ms(step, dev, 10)])  # the context grows by one per call
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev != "cpu" else [])
+    with profile(activities=acts) as prof:
+        step()
+        _common.synchronize(dev)
+    ev = prof.key_averages()
+    print("total self cpu ms", round(sum(e.self_cpu_time_total for e in ev) / 1e3, 2),
+          "self device ms", round(sum(getattr(e, "self_device_time_total", 0) for e in ev) / 1e3, 2))
+    for key in ("self_cpu_time_total", "self_device_time_total"):
+        print("--", key)
+        for e in sorted(ev, key=lambda e: getattr(e, key, 0), reverse=True)[:10]:
+            print(f"   {e.key[:60]:60s} calls {e.count:5d} cpu {e.self_cpu_time_total / 1e3:8.2f} "
+                  f"dev {getattr(e, 'self_device_time_total', 0) / 1e3:8.2f}")
+    pr = cProfile.Profile()
+    pr.enable()
+    step()
+    _common.synchronize(dev)
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(12)
+    print(s.getvalue()[-2500:])
 
 
 if __name__ == "__main__":

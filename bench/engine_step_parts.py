@@ -70,23 +70,37 @@ def timed(engine, name: str, totals: dict, counts: dict) -> None:
     setattr(engine, name, wrapper)
 
 
-def bare_decode_ms(model, batch: int, context: int, vocab: int, reps: int = 5) -> float:
-    """Median ms of one decode forward at `batch` x `context` with transformers' DynamicCache (no masks)."""
+def bare_decode(model, batch: int, context: int, vocab: int):
+    """Prefill random `batch` x `context` prompts with transformers' own DynamicCache (no relayrl code, no masks)
+    and return a function that runs one decode forward on that cache (the context grows by one per call)."""
     import torch
 
-    dev = next(model.parameters()).device
-    ids = torch.randint(0, vocab, (batch, context), device=dev)
+    ids = torch.randint(0, vocab, (batch, context), device=next(model.parameters()).device)
     with torch.inference_mode():
-        out = model(input_ids=ids, use_cache=True)
-        cache, nxt = out.past_key_values, ids[:, -1:]
-        times = []
-        for _ in range(reps):
-            _common.synchronize(dev)
-            t0 = time.perf_counter()
-            model(input_ids=nxt, past_key_values=cache, use_cache=True)
-            _common.synchronize(dev)
-            times.append((time.perf_counter() - t0) * 1e3)  # the context grows by one per rep: negligible
-    return statistics.median(times)
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+
+    def step() -> None:
+        with torch.inference_mode():
+            model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+
+    return step
+
+
+def times_ms(step, device, reps: int) -> list[float]:
+    """Wall ms of each of `reps` calls of step(), the device synchronised around each."""
+    times = []
+    for _ in range(reps):
+        _common.synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        _common.synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def bare_decode_ms(model, batch: int, context: int, vocab: int, reps: int = 5) -> float:
+    """Median ms of one bare decode forward (`bare_decode`) at `batch` x `context`: the model's own cost."""
+    return statistics.median(times_ms(bare_decode(model, batch, context, vocab), model.device, reps))
 
 
 def profile_ops(path: str, dtype: str, device: str, prompts: list, group: int, params, top: int = 20) -> dict:

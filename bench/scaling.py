@@ -215,12 +215,10 @@ def run_config(a, overrides: list[str]):
 
 def plan(a, hf_config: dict, params: int, shape: dict, overrides: list[str], mem_total: int) -> dict:
     """The memory estimate of a run and, when it cannot run, why."""
-    from relayrl.common.utils import memory_is_tight
+    from relayrl.common.utils import checkpointing_on
 
     cfg = run_config(a, overrides)
-    gc = cfg.model.gradient_checkpointing
-    if gc == "auto":  # as relayrl.trainer.engine.TrainEngine decides it
-        gc = memory_is_tight(16 * params, mem_total)
+    gc = checkpointing_on(cfg.model.gradient_checkpointing, 16 * params, mem_total)  # as the trainer will
     est = memory_estimate(hf_config, params, shape, cfg.train.micro_batch_tokens, gc)
     avail = meminfo()["MemAvailable"]
     out = {"estimated_need_gb": {k: round(v / GB, 2) for k, v in est.items()}, "mem_available_gb": avail / GB}

@@ -196,6 +196,11 @@ def memory_is_tight(floor_bytes: int, total_bytes: int | None) -> bool:
     return bool(total_bytes) and floor_bytes >= TIGHT_FLOOR_SHARE * total_bytes
 
 
+def checkpointing_on(setting: bool | str, floor_bytes: int, total_bytes: int | None) -> bool:
+    """model.gradient_checkpointing as a trainer applies it: "auto" -> `memory_is_tight`, else the setting."""
+    return memory_is_tight(floor_bytes, total_bytes) if setting == "auto" else bool(setting)
+
+
 def fit_allocator_to(floor_bytes: int) -> str:
     """Fix glibc's mmap threshold at 1 MiB when this process's training floor (16 bytes per trainable parameter)
     is a large share of the machine's RAM (`memory_is_tight`) and RELAYRL_MMAP_THRESHOLD is unset; say what the
@@ -210,7 +215,8 @@ def fit_allocator_to(floor_bytes: int) -> str:
     nothing at 360M). Applies to the blocks allocated from now on: the activations of training.
     """
     setting = os.environ.get("RELAYRL_MMAP_THRESHOLD") or ""
-    if _glibc() is None:
+    libc = _glibc()
+    if libc is None:
         return "the system's allocator (not glibc: nothing to tune)"
     if setting:
         threshold = int(setting)
@@ -218,8 +224,8 @@ def fit_allocator_to(floor_bytes: int) -> str:
                 else "glibc's heap (RELAYRL_MMAP_THRESHOLD=0)")
     if not memory_is_tight(floor_bytes, mem_total_bytes()):
         return "glibc's heap (auto)"
-    _glibc().mallopt(_M_MMAP_THRESHOLD, AUTO_MMAP_THRESHOLD)
-    _glibc().mallopt(_M_TRIM_THRESHOLD, 2 * AUTO_MMAP_THRESHOLD)
+    libc.mallopt(_M_MMAP_THRESHOLD, AUTO_MMAP_THRESHOLD)
+    libc.mallopt(_M_TRIM_THRESHOLD, 2 * AUTO_MMAP_THRESHOLD)
     return "freed blocks >= 1 MiB go back to the OS at once (auto; RELAYRL_MMAP_THRESHOLD=0 for glibc's heap)"
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from relayrl.common.device import avoid_cudnn_attention, device_memory_bytes, model_device
-from relayrl.common.utils import memory_is_tight, trim_memory
+from relayrl.common.utils import checkpointing_on, trim_memory
 from relayrl.models import load_model
 from relayrl.models.attention import install as install_attention
 from relayrl.trainer.algo import reduce_stats
@@ -39,7 +39,7 @@ class TrainEngine:
                  autocast_bf16: bool = False, gradient_checkpointing: bool | str = False,
                  optimizer_state_dtype: str = "float32"):
         """gradient_checkpointing "auto": on when the training floor (16 bytes per trainable parameter) is a large
-        share of the device's memory (relayrl.common.utils.memory_is_tight); the choice is `gradient_checkpointing`."""
+        share of the device's memory (relayrl.common.utils.checkpointing_on); the choice is `gradient_checkpointing`."""
         self.model = model
         self.device = model_device(model)
         avoid_cudnn_attention(self.device)
@@ -49,10 +49,9 @@ class TrainEngine:
         self.model.eval()
         self._trainable = bool(params)
         self.floor_bytes = 16 * sum(p.numel() for p in params)
-        if gradient_checkpointing == "auto":
-            gradient_checkpointing = memory_is_tight(self.floor_bytes, device_memory_bytes(self.device))
-        self.gradient_checkpointing = bool(gradient_checkpointing)
-        if gradient_checkpointing:
+        self.gradient_checkpointing = checkpointing_on(gradient_checkpointing, self.floor_bytes,
+                                                       device_memory_bytes(self.device))
+        if self.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # shared-prompt rows attend without their dense mask where the model runs SDPA (relayrl.models.segments)
         self.segments = install_attention(model)

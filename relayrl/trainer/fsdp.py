@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from relayrl.common.device import device_memory_bytes
-from relayrl.common.utils import memory_is_tight
+from relayrl.common.utils import checkpointing_on
 from relayrl.models.attention import install as install_attention
 from relayrl.trainer.algo import reduce_stats
 from relayrl.trainer.engine import LossFn, TrainEngine, decoder_inputs, head_logprobs
@@ -100,16 +100,17 @@ class FSDPEngine(TrainEngine):
         device = (torch.device("cuda", torch.cuda.current_device())
                   if dist.get_backend() == "nccl" else torch.device("cpu"))
         floor = 16 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # the whole model's, unsharded
-        if gradient_checkpointing == "auto":  # CPU ranks share the machine's RAM; GPU ranks hold a share each
-            gradient_checkpointing = memory_is_tight(floor // (self.world_size if device.type == "cuda" else 1),
-                                                     device_memory_bytes(device))
+        # CPU ranks share the machine's RAM; GPU ranks hold a share each
+        gradient_checkpointing = checkpointing_on(gradient_checkpointing,
+                                                  floor // (self.world_size if device.type == "cuda" else 1),
+                                                  device_memory_bytes(device))
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()  # before sharding, while the layers are plain modules
         model.to(device)
         self.root = _shard(model, mixed_precision)
         super().__init__(model, **kwargs)  # TrainEngine moves micro-batches to self.device, returns logprobs on CPU
         self.device = device  # the backend's device, whatever a sharded parameter reports
-        self.gradient_checkpointing, self.floor_bytes = bool(gradient_checkpointing), floor
+        self.gradient_checkpointing, self.floor_bytes = gradient_checkpointing, floor
 
     # ---- forward ------------------------------------------------------------------------------
     def _token_logprobs(self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool):
