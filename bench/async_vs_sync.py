@@ -54,6 +54,7 @@ def run_variant(name: str, a: argparse.Namespace, out_dir: str) -> dict:
     return {"wall_s": wall, "train_loop_s": loop_s, "steps": len(rows),
             "trained_samples": sum(r["train/samples"] for r in rows),
             "step_s_median": statistics.median(r["time/step_s"] for r in rows),
+            "step_s_all": [r["time/step_s"] for r in rows],  # the first async step includes the producer's start
             "reward_curve": [r["rollout/reward_mean"] for r in rows],
             "reward_mean": statistics.fmean(r["rollout/reward_mean"] for r in rows),
             "response_len_mean": statistics.fmean(r["rollout/response_len_mean"] for r in rows),

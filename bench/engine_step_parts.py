@@ -41,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=150)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--no-cuda-graphs", action="store_true", help="a GPU engine decodes eagerly (cuda_graphs=False)")
     p.add_argument("--profile", action="store_true", help="also run the workload under torch.profiler and print the "
                    "top ops by self CPU and self device time")
     p.add_argument("--out", default=None, help="result file (default: print only)")
@@ -154,7 +155,8 @@ def main() -> None:
     path = resolve_model_path(a.model)
     device = str(resolve_device(a.device))
     dtype = resolve_dtype(a.dtype, device)[0]
-    engine = LocalEngine.from_pretrained(path, dtype=dtype, device=device, max_batch_size=a.prompts * a.group)
+    engine = LocalEngine.from_pretrained(path, dtype=dtype, device=device, max_batch_size=a.prompts * a.group,
+                                         cuda_graphs=not a.no_cuda_graphs)
     vocab = engine.model.config.vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(a.prompt_len)] for _ in range(a.prompts)]
@@ -178,7 +180,8 @@ def main() -> None:
     per_step["_sample_and_append_upper"] = 1e3 * totals["_sample_and_append"] / max(steps, 1)
     res = {**_common.result_header("engine_step_parts"),
            "workload": {"model": path, "device": device, "dtype": dtype, "prompts": a.prompts, "group": a.group,
-                        "prompt_len": a.prompt_len, "max_new_tokens": a.max_new_tokens},
+                        "prompt_len": a.prompt_len, "max_new_tokens": a.max_new_tokens,
+                        "cuda_graphs": engine.cuda_graphs},
            "wall_s": wall, "worker_busy_s": busy, "decode_steps": steps,
            "parts_s": {k.lstrip("_"): v for k, v in totals.items()},
            "calls": {k.lstrip("_"): v for k, v in counts.items()},

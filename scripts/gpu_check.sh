@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU check: on a machine with CUDA, run the GPU tests (pytest -m gpu: engine logprob parity, a train step, weight
 # sync, a colocated run, all on the tiny random model), the rollout and train-step benches on the GPU, a short
-# GSM8K GRPO run through the CLI on the GPU and the decode-step probes (bench/engine_step_parts.py,
-# bench/decode_profile.py with and without SDPA's cuDNN backend), writing bench/results/gpu_*. Without CUDA it
+# GSM8K GRPO run through the CLI on the GPU and the decode-step probes (bench/engine_step_parts.py with the engine's
+# CUDA graphs and without, bench/decode_profile.py with and without SDPA's cuDNN backend; the rollout bench has a
+# graph-less LocalEngine side too), writing bench/results/gpu_*. Without CUDA it
 # says so and exits 0, running nothing.
 # Nothing is downloaded: the tests build the tiny random model; the benches and the run use MODEL (default the
 # SmolLM2 folder scripts/setup.sh prepared; on a machine the weights can't reach, a folder of SmolLM2's shape and
@@ -47,17 +48,20 @@ step() {  # step NAME SECONDS COMMAND...
 mkdir -p bench/results
 run_dir=$(mktemp -d)
 step tests 300 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider
-step rollout 300 "$PY" bench/rollout.py --device cuda --sides local,hf --model "$MODEL" \
+# where a decode step's time goes (relayrl's engine vs the bare model call), with the engine's CUDA graphs and without,
+# and the bare call with SDPA's cuDNN backend off (relayrl's setting) and on (torch's own choice): the checks of
+# relayrl.engine.decode_graphs and relayrl.common.device.avoid_cudnn_attention
+step engine_step_parts 200 "$PY" bench/engine_step_parts.py --model "$MODEL" --device cuda --prompts 4 --group 8 \
+    --out bench/results/gpu_engine_step_parts_4x8.json
+step engine_step_parts_eager 200 "$PY" bench/engine_step_parts.py --model "$MODEL" --device cuda --prompts 4 \
+    --group 8 --no-cuda-graphs --out bench/results/gpu_engine_step_parts_4x8_eager.json
+step decode_profile 120 bash -c "'$PY' bench/decode_profile.py '$MODEL' cuda > bench/results/gpu_decode_profile.txt \
+    && '$PY' bench/decode_profile.py '$MODEL' cuda --cudnn > bench/results/gpu_decode_profile_cudnn.txt"
+step rollout 400 "$PY" bench/rollout.py --device cuda --sides local,local_eager,hf --model "$MODEL" \
     --out bench/results/gpu_rollout.json
 step train_step 300 "$PY" bench/train_step.py --device cuda --model "$MODEL" --out bench/results/gpu_train_step.json
 step grpo_run 300 "$PY" -m relayrl train --config examples/gsm8k_grpo.yaml model.path="$MODEL" run.device=cuda \
     run.steps=4 eval.at_start=false eval.at_end=false run.output_dir="$run_dir" run.tensorboard=false
 [ -f "$run_dir"/gsm8k_grpo/metrics.jsonl ] && cp "$run_dir"/gsm8k_grpo/metrics.jsonl bench/results/gpu_grpo_run.jsonl
-# where a decode step's time goes (relayrl's engine vs the bare model call), and the bare call with SDPA's cuDNN
-# backend off (relayrl's setting) and on (torch's own choice): the check of relayrl.common.device.avoid_cudnn_attention
-step engine_step_parts 200 "$PY" bench/engine_step_parts.py --model "$MODEL" --device cuda --prompts 4 --group 8 \
-    --out bench/results/gpu_engine_step_parts_4x8.json
-step decode_profile 120 bash -c "'$PY' bench/decode_profile.py '$MODEL' cuda > bench/results/gpu_decode_profile.txt \
-    && '$PY' bench/decode_profile.py '$MODEL' cuda --cudnn > bench/results/gpu_decode_profile_cudnn.txt"
 if [ ${#failed[@]} -gt 0 ]; then echo "gpu_check: FAILED: ${failed[*]}"; exit 1; fi
 echo "gpu_check: all passed; results in bench/results/gpu_*"

@@ -13,6 +13,7 @@ from conftest import tiny_run_args, write_sums
 
 from relayrl.config.schema import AlgoConfig, TrainConfig, load_run_config
 from relayrl.engine.base import SamplingParams
+from relayrl.engine.decode_graphs import StaticDecode
 from relayrl.engine.local import LocalEngine
 from relayrl.engine.rollout import RolloutController
 from relayrl.models import load_model
@@ -184,3 +185,54 @@ def check_colocated_run(tiny_path: str, device: str, tmp_path: Path) -> None:
             assert torch.equal(p, trained[name].detach()), name
     finally:
         c.close()
+
+
+def static_engine(tiny_path: str, device: str, **kw) -> LocalEngine:
+    """An engine whose decode steps are static (relayrl.engine.decode_graphs): recorded as CUDA graphs on a GPU (the
+    engine's default there), run eagerly on the CPU, where the same padded steps are checked without a GPU."""
+    eng = engine_on(tiny_path, device, attention="sdpa", **kw)
+    if device == "cpu":
+        eng._static = StaticDecode(eng.model, eng.cache, eng.max_batch_size, capture=False)
+    assert eng._static is not None
+    return eng
+
+
+def check_static_decode(tiny_path: str, device: str) -> None:
+    """Padded static decode steps (CUDA graphs on a GPU) give what the engine's own steps give: logprobs equal to a
+    full forward of the sampled tokens, greedy tokens equal to an engine without them, through batches that shrink
+    across buckets (7 prompts, 4 slots), a cache that grows (longer requests: graphs recorded again), weights
+    updated in place, and weights released and sent back (graphs recorded again)."""
+    eng, plain = static_engine(tiny_path, device, max_batch_size=4), engine_on(tiny_path, device, max_batch_size=4,
+                                                                               attention="sdpa", cuda_graphs=False)
+    assert plain._static is None
+    tol = logprob_tolerance(device)
+    try:
+        for length in (12, 70):  # 70 new tokens: the cache's rectangle grows past its first 64-position length
+            params = SamplingParams(max_new_tokens=length, temperature=1.0, ignore_eos=True)
+            generation = eng.cache.generation
+            outs = eng.generate(PROMPTS, params)
+            assert eng.cache.generation > generation
+            for prompt, out in zip(PROMPTS, outs):
+                ref = full_forward_logprobs(eng.model, prompt, out.output_ids, 1.0)
+                assert torch.allclose(torch.tensor(out.logprobs), ref, atol=tol), (length, prompt)
+            assert_same_greedy(eng, plain)
+        with torch.no_grad():  # a weight sync: new values, same storage
+            changed = {n: p.detach() * 1.5 for n, p in plain.model.named_parameters()}
+        eng.update_weights(changed.items(), 1)
+        plain.update_weights(changed.items(), 1)
+        assert_same_greedy(eng, plain)
+        assert eng.release_memory() > 0
+        eng.update_weights(changed.items(), 2)
+        assert_same_greedy(eng, plain)
+        if device != "cpu":
+            assert eng.cuda_graphs and eng._static.recorded >= 3, (eng._static.failed, eng._static.recorded)
+    finally:
+        eng.close()
+        plain.close()
+
+
+def assert_same_greedy(a: LocalEngine, b: LocalEngine) -> None:
+    got, want = a.generate(PROMPTS, GREEDY), b.generate(PROMPTS, GREEDY)
+    assert [o.output_ids for o in got] == [o.output_ids for o in want]
+    for x, y in zip(got, want):
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4), x.output_ids

@@ -85,6 +85,9 @@ class EngineConfig:
     # decode-step attention of local engines: kernel = relayrl's C kernel (built once with the system compiler),
     # sdpa = PyTorch's; auto = the kernel when it builds and fits the model, else sdpa
     attention: Literal["auto", "kernel", "sdpa"] = "auto"
+    # local engines on a GPU: replay each decode step as a CUDA graph (one launch instead of hundreds; the batch is
+    # padded to a bucket). No effect on CPU. relayrl.engine.decode_graphs
+    cuda_graphs: bool = True
     # fp32 trainer weights into a bf16 engine: stochastic = rounded up or down at random so the engine's policy
     # follows the trainer's from the first step (rounded to nearest, most weights keep their bf16 value for many
     # steps at RL learning rates); remote servers are then sent bf16 (dtype bfloat16); nearest = plain casts

@@ -32,6 +32,7 @@ class SlotKVCache:
         self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
         self.device = torch.device(device)  # the model's: keys and values never leave it
         self.slots, self.length = 0, 0
+        self.generation = 0  # bumped whenever the tensors are reallocated (CUDA graphs hold their addresses)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.ensure(slots, length)
@@ -49,12 +50,14 @@ class SlotKVCache:
         for old, new in zip(self.k + self.v, new_k + new_v):
             new[: self.slots, :, : self.length] = old
         self.k, self.v, self.slots, self.length = new_k, new_v, new_slots, new_len
+        self.generation += 1
 
     def release(self) -> int:
         """Drop every slot (the memory goes back to the allocator); `ensure` grows it again on the next
         admission. Returns the bytes released."""
         freed = self.nbytes()
         self.k, self.v, self.slots, self.length = [], [], 0, 0
+        self.generation += 1
         return freed
 
     def nbytes(self) -> int:

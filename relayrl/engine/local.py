@@ -24,7 +24,8 @@ turn (a prompt that extends the parked tokens) reuses it and prefills only the n
 
 Devices: the engine runs where its model is (`self.device`, the model's first parameter): the KV cache, input
 ids, positions, masks and the sampling buffer are created there. Random numbers are drawn on the CPU from CPU
-generators (relayrl.engine.sampling says why). The C decode kernel is CPU-only; on a GPU decode runs on SDPA.
+generators (relayrl.engine.sampling says why). The C decode kernel is CPU-only; on a GPU decode runs on SDPA, and each
+decode step is replayed as a CUDA graph (relayrl.engine.decode_graphs; `cuda_graphs=False` turns it off).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from relayrl.common.device import avoid_cudnn_attention, model_device
 from relayrl.common.utils import release_openmp_threads
 from relayrl.engine import attention
 from relayrl.engine.base import GenOutput, SamplingParams
+from relayrl.engine.decode_graphs import StaticDecode
 from relayrl.engine.kv_cache import SlotKVCache
 from relayrl.engine.sampling import sample_tokens
 from relayrl.models import eos_token_ids, load_model, load_tokenizer
@@ -84,7 +86,8 @@ class LocalEngine:
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: Iterable[int], max_batch_size: int = 64,
                  max_seq_len: int | None = None, seed: int = 0, max_tokens_in_flight: int | None = None,
                  prefix_cache_size: int = 64, kv_on_update: str = "recompute", attention: str = "auto",
-                 owns_weights: bool = True, kv_cache_bytes: int | None = None, weight_rounding: str = "stochastic"):
+                 owns_weights: bool = True, kv_cache_bytes: int | None = None, weight_rounding: str = "stochastic",
+                 cuda_graphs: bool = True):
         if kv_on_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_update must be 'recompute' or 'keep', got {kv_on_update!r}")
         if weight_rounding not in ("stochastic", "nearest"):
@@ -128,8 +131,13 @@ class LocalEngine:
         self._thread: threading.Thread | None = None
         self.stats = {"generated_tokens": 0, "prefill_tokens": 0, "prefills": 0, "steps": 0, "busy_s": 0.0,
                       "reused_tokens": 0, "aborted": 0}
+        self._static: StaticDecode | None = None
         if attention != "sdpa":
             self._use_kernel(attention == "kernel", cfg.num_attention_heads, kv_heads, head_dim)
+        # on a GPU, decode steps replay as CUDA graphs (relayrl.engine.decode_graphs says why)
+        self._static = (StaticDecode(self.model, self.cache, max_batch_size, capture=True,
+                                     max_cache_bytes=kv_cache_bytes)
+                        if cuda_graphs and self.device.type == "cuda" and self.cache.kernel is None else None)
         # before the worker's first op: the caller (which loaded the model) waits while the worker decodes
         release_openmp_threads()
 
@@ -187,6 +195,8 @@ class LocalEngine:
             released, self._released = self._released, {}
             for p, shape in released.values():  # weights given back by release_memory come back here
                 p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+            if released and self._static is not None:
+                self._static.reset()  # recorded graphs read the old storage
             for name, tensor in named_tensors:
                 if is_adapter_name(name):
                     adapters[name] = tensor
@@ -260,6 +270,8 @@ class LocalEngine:
                         self._released[id(p)] = (p, p.shape)
                         freed += p.numel() * p.element_size()
                         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                if self._static is not None:
+                    self._static.reset()
             return freed
 
     def flush_cache(self) -> None:
@@ -303,6 +315,11 @@ class LocalEngine:
                 seq.future.set_exception(RuntimeError("LocalEngine closed"))
         self._waiting.clear()
         self._active.clear()
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether decode steps replay as CUDA graphs (a GPU engine, unless turned off or recording failed)."""
+        return self._static is not None and self._static.failed is None
 
     @property
     def attention(self) -> str:
@@ -468,7 +485,10 @@ class LocalEngine:
 
     def _forward_decode(self, tokens: list[int], kv_lens: list[int]) -> torch.Tensor:
         """One token for each of slots 0..n-1, at positions `kv_lens`; returns the logits [n, vocab]. The
-        lengths come as a list so that the mask's width is known without reading back from the device."""
+        lengths come as a list so that the mask's width is known without reading back from the device. On a GPU the
+        step is a replayed CUDA graph where it can be (relayrl.engine.decode_graphs)."""
+        if self._static is not None and (logits := self._static.forward(tokens, kv_lens)) is not None:
+            return logits
         dev = self.device
         kv_len = max(kv_lens) + 1
         positions = torch.tensor(kv_lens, device=dev)

@@ -9,6 +9,7 @@ from device_checks import (
     check_chunked_logprobs,
     check_colocated_run,
     check_engine_logprob_parity,
+    check_static_decode,
     check_train_step,
     check_weight_sync,
     engine_on,
@@ -67,3 +68,7 @@ def test_cuda_engine_and_trainer_turn_cudnn_attention_off(tiny_path):
         assert not torch.backends.cuda.cudnn_sdp_enabled()
         if hasattr(obj, "close"):
             obj.close()
+
+
+def test_decode_steps_replayed_as_cuda_graphs_equal_the_engines_own(tiny_path):
+    check_static_decode(tiny_path, "cuda")

@@ -9,6 +9,7 @@ from device_checks import (
     check_chunked_logprobs,
     check_colocated_run,
     check_engine_logprob_parity,
+    check_static_decode,
     check_train_step,
     check_weight_sync,
 )
@@ -117,3 +118,7 @@ def test_cudnn_attention_is_turned_off_for_cuda_models_only():
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_static_decode_steps_equal_the_engines_own_on_cpu(tiny_path):
+    check_static_decode(tiny_path, "cpu")
