@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import _common
 
-from relayrl.common.device import resolve_device
-from relayrl.common.utils import import_from_path
+from relayrl.common.device import device_memory_bytes, resolve_device
+from relayrl.common.utils import checkpointing_on, import_from_path
 from relayrl.config.schema import Config
 from relayrl.data import load_rows
+from relayrl.models import resolve_model_path
 from relayrl.run.build import build, resolve_precision
 
 
@@ -57,6 +60,20 @@ def settings_problem(cfg: Config, micro_batch: int) -> str | None:
     return None
 
 
+def trl_checkpointing(cfg: Config) -> bool:
+    """model.gradient_checkpointing as relayrl's trainer resolves it ("auto": on when the training floor, 16 bytes per
+    parameter, is a large share of the device's memory), so that both sides train with the same memory setting."""
+    from safetensors import safe_open
+
+    if cfg.model.gradient_checkpointing != "auto":
+        return bool(cfg.model.gradient_checkpointing)
+    params = 0
+    for f in sorted(Path(resolve_model_path(cfg.model.path)).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            params += sum(math.prod(h.get_slice(k).get_shape()) for k in h.keys())  # noqa: SIM118 - a safetensors handle, not a dict
+    return checkpointing_on("auto", 16 * params, device_memory_bytes(resolve_device(cfg.run.device)))
+
+
 def grpo_config(cfg: Config, out_dir: str, micro_batch: int):
     """GRPOConfig with the run config's group, batch, lr, optimizer, clip, KL, generation length and temperature."""
     from trl import GRPOConfig  # optional heavy dependency (bench extra)
@@ -68,7 +85,7 @@ def grpo_config(cfg: Config, out_dir: str, micro_batch: int):
     args = GRPOConfig(
         output_dir=out_dir, use_cpu=resolve_device(cfg.run.device).type == "cpu", bf16=bool(cfg.model.autocast_bf16),
         fp16=False, seed=cfg.run.seed, data_seed=cfg.run.seed, use_vllm=False,
-        gradient_checkpointing=cfg.model.gradient_checkpointing is True, num_generations=cfg.data.group_size,
+        gradient_checkpointing=trl_checkpointing(cfg), num_generations=cfg.data.group_size,
         per_device_train_batch_size=micro_batch, gradient_accumulation_steps=total // micro_batch,
         num_iterations=t.epochs, max_completion_length=s.max_new_tokens, temperature=s.temperature,
         top_p=s.top_p, top_k=s.top_k, beta=algo.kl_coef, epsilon=algo.clip_low, epsilon_high=algo.clip_high,

@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +84,19 @@ def bf16_support(device: str = "cpu") -> Bf16Support:
     native = cached["bf16_gflops"] >= cached["fp32_gflops"]
     return Bf16Support(native, f"{model}: bf16 matmul {cached['bf16_gflops']:.0f} GFLOP/s vs fp32 "
                                f"{cached['fp32_gflops']:.0f} (measured, cached)")
+
+
+def measured(name: str, measure: Callable[[], dict]) -> dict:
+    """`measure()`'s result for this machine (CPU model and flags, torch version, ISA switches), measured once and
+    cached beside bf16_support's in ~/.cache/relayrl/hardware.json: for choices no flag can make (which kernel
+    library is faster here)."""
+    model, flags = _cpuinfo()
+    key = f"{_cache_key(model, flags)}:{name}"
+    cached = _read_cache().get(key)
+    if cached is None:
+        cached = measure() | {"measured_at": time.time()}
+        _write_cache(key, cached)
+    return cached
 
 
 def resolve_dtype(setting: str, device: str = "cpu", autocast: bool | str = "auto") -> tuple[str, str]:

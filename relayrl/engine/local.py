@@ -46,6 +46,7 @@ from safetensors.torch import load_file
 from relayrl.common.device import avoid_cudnn_attention, model_device
 from relayrl.common.utils import release_openmp_threads
 from relayrl.engine import attention
+from relayrl.engine import linear as engine_linear
 from relayrl.engine.base import GenOutput, SamplingParams
 from relayrl.engine.decode_graphs import StaticDecode
 from relayrl.engine.kv_cache import SlotKVCache
@@ -87,13 +88,15 @@ class LocalEngine:
                  max_seq_len: int | None = None, seed: int = 0, max_tokens_in_flight: int | None = None,
                  prefix_cache_size: int = 64, kv_on_update: str = "recompute", attention: str = "auto",
                  owns_weights: bool = True, kv_cache_bytes: int | None = None, weight_rounding: str = "stochastic",
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, linear: str = "auto"):
         if kv_on_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_update must be 'recompute' or 'keep', got {kv_on_update!r}")
         if weight_rounding not in ("stochastic", "nearest"):
             raise ValueError(f"weight_rounding must be 'stochastic' or 'nearest', got {weight_rounding!r}")
         if attention not in ("auto", "kernel", "sdpa"):
             raise ValueError(f"attention must be 'auto', 'kernel' or 'sdpa', got {attention!r}")
+        if linear not in ("auto", "onednn", "default"):
+            raise ValueError(f"linear must be 'auto', 'onednn' or 'default', got {linear!r}")
         cfg = model.config
         self.model = model.eval()
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -103,6 +106,7 @@ class LocalEngine:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.device = model_device(model)
         avoid_cudnn_attention(self.device)
+        self.linear = self._choose_linear(linear)
         if kv_cache_bytes is not None and kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {kv_cache_bytes}")
         # grown on the first admission to what the batch needs: start at one small slot
@@ -352,6 +356,17 @@ class LocalEngine:
             raise RuntimeError(f"engine.attention=kernel: {why}")
         if why:
             log.info("LocalEngine decode attention: SDPA (%s)", why)
+
+    def _choose_linear(self, setting: str) -> str:
+        """fp32 linears on a CPU through oneDNN where it is faster here (relayrl.engine.linear), else PyTorch's."""
+        fp32_cpu = self.device.type == "cpu" and next(self.model.parameters()).dtype == torch.float32
+        if setting == "default" or not fp32_cpu:
+            return "default"
+        faster, why = (True, "asked for") if setting == "onednn" else engine_linear.onednn_is_faster()
+        if faster:
+            engine_linear.install(self.model)
+        log.info("LocalEngine fp32 linear layers: %s (%s)", "oneDNN" if faster else "PyTorch's default", why)
+        return "onednn" if faster else "default"
 
     # ---- worker -------------------------------------------------------------------------------
     def _ensure_thread(self) -> None:

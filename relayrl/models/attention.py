@@ -31,6 +31,15 @@ def attention(module, query, key, value, attention_mask, scaling=None, relayrl_c
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
+def segments_pay_off(device: torch.device) -> bool:
+    """Whether a trainer on `device` should send shared-prompt rows through relayrl.models.segments (else SDPA with
+    the rows' dense mask). On a CPU they do: the C kernel took the README job's fit to 0.70x. On a GPU they do not:
+    on an H100 (bench/train_step.py --device cuda, docs/benchmarks.md "On a GPU") an 8 x 8 step took 1.46 s through
+    the segments' PyTorch version (gathers, masked matmuls, a hand-written backward) and 0.59 s through SDPA's fused
+    kernels with the dense mask."""
+    return device.type == "cpu"
+
+
 def install(model: torch.nn.Module) -> bool:
     """Route `model`'s attention through `attention`; False (model untouched) unless it runs SDPA."""
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", NAME):

@@ -20,7 +20,7 @@ from relayrl.agents import AGENTS, Agent
 from relayrl.common.device import device_memory_bytes, resolve_device
 from relayrl.common.hardware import resolve_autocast, resolve_dtype
 from relayrl.common.net import free_port
-from relayrl.common.utils import check_writable, fit_allocator_to, tune_allocator
+from relayrl.common.utils import InputError, check_writable, fit_allocator_to, tune_allocator
 from relayrl.config import ConfigError, dump_yaml, import_named
 from relayrl.config.schema import Config
 from relayrl.data import DataManager, PromptBuilder, load_rows
@@ -95,7 +95,13 @@ def _check_agent_kwargs(agent_cls: type[Agent], kwargs: dict, key: str = "agent.
             hint = f"its options are {', '.join(named)}" if named else "it takes no options"
             raise ConfigError(f"unknown option for agent {agent_cls.__name__}; {hint}", key=f"{key}.{name}")
     if callable(check := getattr(agent_cls, "check_kwargs", None)):
-        check(kwargs)  # the agent's own check of its option values (raises InputError naming the key)
+        try:  # the agent's own check of its option values: an InputError whose message starts "agent.kwargs.NAME"
+            check(kwargs)
+        except InputError as e:
+            message = str(e)
+            if key != "agent.kwargs" and message.startswith("agent.kwargs."):  # the value came from `key`
+                raise InputError(key + message[len("agent.kwargs"):]) from None
+            raise
 
 
 def sampling_params(cfg: Config, temperature: float | None = None) -> SamplingParams:

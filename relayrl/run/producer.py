@@ -1,6 +1,7 @@
 """Separate placement: rollouts run in their own process beside the trainer (seed 002's main_separate).
 
-The producer process owns the engines, agents, judge, prompts and an AsyncScheduler; it sends finished
+The producer process owns the engines, agents, judge, prompts and an AsyncScheduler. Once built it says "ready"
+and produces from the trainer's "start" on (the training loop's clock starts then); it sends finished
 groups to the trainer over a queue and receives new weights through a transport (disk or
 torch.distributed). The trainer process owns only the policy being trained. Staleness stays bounded the
 same way as in one process: admission uses the version the producer's engines hold, and the trainer
@@ -58,6 +59,8 @@ class ProducerHandle:
         # waits for the producer's receiver, which exists only once the producer has built its engines
         self._groups: deque[list[Sample]] = deque()
         self._evals: deque[dict] = deque()
+        self._ready = False  # the producer has built its engines and waits for `start`
+        self._started = False
 
     # ---- messages ---------------------------------------------------------------------------------
     def _pump(self, timeout: float) -> None:
@@ -68,7 +71,9 @@ class ProducerHandle:
             if not self.proc.is_alive():
                 raise RuntimeError(f"the producer process exited with code {self.proc.exitcode}") from None
             return
-        if kind == "group":
+        if kind == "ready":
+            self._ready = True
+        elif kind == "group":
             self._groups.append(payload)
         elif kind == "eval":
             self._evals.append(payload)
@@ -82,7 +87,15 @@ class ProducerHandle:
 
     # ---- the trainer's calls: the RolloutSource protocol (relayrl.run.sources) ------------------------
     def start(self) -> None:
-        """Nothing to do: the producer process started producing as soon as it was built."""
+        """Wait until the producer has built its engines, then let it produce. Why wait here: the training loop's
+        clock starts after this call, so a step's time is production and training, never the producer process
+        loading its model (a colocated run builds its engines before the loop too; bench/async_vs_sync.py measured
+        a 22 s first step on a GPU before this, 1.8 s the steps after)."""
+        while not self._ready:
+            self._pump(0.5)
+        if not self._started:
+            self._started = True
+            self.from_trainer.put(("start", None))
 
     def stop(self) -> None:
         """Nothing to do: the producer keeps producing until `close`."""
@@ -148,8 +161,7 @@ def producer_main(cfg_dict: dict, run_dir: str, transport: str, dist_address: st
         torch.set_num_threads(cfg.scheduler.producer_threads)
         c = build(cfg, role="producer", run_dir=Path(run_dir))
         receiver = _receiver(c, transport, Path(run_dir) / "weights", dist_address)
-        c.rollouts.start()
-        threading.Thread(target=_forward_groups, args=(c, to_trainer), daemon=True).start()
+        to_trainer.put(("ready", None))
         _serve(c, receiver, to_trainer, from_trainer)
     except BaseException:
         to_trainer.put(("error", traceback.format_exc()))
@@ -190,6 +202,7 @@ def _forward_groups(c, to_trainer) -> None:
 
 
 def _serve(c, receiver, to_trainer, from_trainer) -> None:
+    started = False
     while True:
         if receiver.error is not None:
             raise RuntimeError("receiving weights failed") from receiver.error
@@ -201,7 +214,11 @@ def _serve(c, receiver, to_trainer, from_trainer) -> None:
             continue
         if kind == "stop":
             return
-        if kind == "expire":
+        if kind == "start" and not started:  # the trainer's loop begins: produce from now on
+            started = True
+            c.rollouts.start()
+            threading.Thread(target=_forward_groups, args=(c, to_trainer), daemon=True).start()
+        elif kind == "expire":
             c.data.requeue(payload)
             c.env.scheduler.manager.on_expire()
             c.env.notify_version()

@@ -23,6 +23,7 @@ from relayrl.common.device import avoid_cudnn_attention, device_memory_bytes, mo
 from relayrl.common.utils import checkpointing_on, trim_memory
 from relayrl.models import load_model
 from relayrl.models.attention import install as install_attention
+from relayrl.models.attention import segments_pay_off
 from relayrl.trainer.algo import reduce_stats
 from relayrl.trainer.logprobs import token_logprobs, weight_grad_into_param
 from relayrl.trainer.lora import adapter_tensors, is_lora
@@ -53,8 +54,9 @@ class TrainEngine:
                                                        device_memory_bytes(self.device))
         if self.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # shared-prompt rows attend without their dense mask where the model runs SDPA (relayrl.models.segments)
-        self.segments = install_attention(model)
+        # shared-prompt rows attend without their dense mask where the model runs SDPA and that pays off on this
+        # device (relayrl.models.segments; on a GPU SDPA's fused kernels with the dense mask are faster)
+        self.segments = install_attention(model) and segments_pay_off(self.device)
         self.temperature = temperature if temperature > 0 else 1.0
         self.grad_clip = grad_clip
         self.autocast_bf16 = autocast_bf16

@@ -41,6 +41,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from relayrl.common.device import device_memory_bytes
 from relayrl.common.utils import checkpointing_on
 from relayrl.models.attention import install as install_attention
+from relayrl.models.attention import segments_pay_off
 from relayrl.trainer.algo import reduce_stats
 from relayrl.trainer.engine import LossFn, TrainEngine, decoder_inputs, head_logprobs
 from relayrl.trainer.packer import MicroBatch, balance_ranks
@@ -76,7 +77,8 @@ class _TrainedPositions(torch.nn.Module):
     def __init__(self, lm: torch.nn.Module):
         super().__init__()
         self.lm = lm
-        self.segments = install_attention(lm)  # before sharding: shared-prompt rows without the dense mask
+        # before sharding: shared-prompt rows without the dense mask, where that pays off (on CPUs)
+        self.segments = install_attention(lm) and segments_pay_off(next(lm.parameters()).device)
 
     def forward(self, mb: MicroBatch, temperature: float, with_entropy: bool, entropy_grad: bool):
         hidden = self.lm.get_decoder()(**decoder_inputs(mb, self.segments)).last_hidden_state

@@ -132,3 +132,23 @@ def test_stop_rule_fires_at_target_then_budget():
     settled = tta.settle({"curve": [point(0.1, 0), point(0.6, 5), point(0.7, 9)]}, stop)
     assert len(settled["curve"]) == 2 and settled["stopped_by"] == "target" and settled["steps_trained"] == 5
     assert tta.settle({"curve": [point(0.1, 0), point(0.2, 5)]}, stop)["stopped_by"] == "max_steps"
+
+
+def test_the_trl_side_resolves_auto_checkpointing_as_relayrl_does(tiny_path, monkeypatch):
+    """"auto" is relayrl's rule (on when the floor of 16 bytes per parameter is a fifth of the memory or more), so both
+    sides of the bench train with the same memory setting; an explicit setting passes through."""
+    import _tta_trl
+
+    from relayrl.config.schema import Config
+    from relayrl.models import load_model
+
+    cfg = Config()
+    cfg.model.path = str(tiny_path)
+    for setting in (True, False):
+        cfg.model.gradient_checkpointing = setting
+        assert _tta_trl.trl_checkpointing(cfg) is setting
+    cfg.model.gradient_checkpointing = "auto"
+    assert _tta_trl.trl_checkpointing(cfg) is False  # the tiny model's floor is nothing next to this machine's RAM
+    floor = 16 * sum(p.numel() for p in load_model(str(tiny_path)).parameters())
+    monkeypatch.setattr(_tta_trl, "device_memory_bytes", lambda device: 2 * floor)
+    assert _tta_trl.trl_checkpointing(cfg) is True

@@ -74,3 +74,25 @@ def test_a_failing_producer_stops_the_trainer_with_its_traceback(tiny_path, data
     finally:
         c.close()
     assert time.perf_counter() - t0 < 60 and not c.rollouts.proc.is_alive()
+
+
+def test_the_producer_produces_only_once_the_loop_starts(tiny_path, data, tmp_path):  # noqa: F811
+    """The producer process's start-up (its model, engines, judge) is not counted in the first step's time: once
+    built it says "ready" and generates nothing until the training loop calls start()."""
+    c = build(cfg_for(tiny_path, data, tmp_path, "sep-ready", **{
+        "scheduler.mode": "async", "scheduler.placement": "separate"}), role="trainer")
+    try:
+        handle = c.rollouts
+        deadline = time.monotonic() + 120
+        while not handle._ready and time.monotonic() < deadline:
+            handle._pump(0.5)
+        assert handle._ready
+        idle_until = time.monotonic() + 3
+        while time.monotonic() < idle_until:
+            handle._pump(0.2)
+        assert not handle._groups  # ready for 3 s, and nothing generated
+        handle.start()
+        batch, _ = handle.next_batch(0)
+        assert batch and all(v == 0 for s in batch for v in s.versions if v >= 0)
+    finally:
+        c.close()

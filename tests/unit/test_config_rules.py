@@ -126,6 +126,8 @@ def test_cli_prints_input_errors_without_a_traceback_and_leaves_no_folder(tiny_p
                                                                             "be in [0, 1], got 2"),
         (["agent.kind=reflection", "eval.agent_kwargs={max_turn: 3}"], "config error: eval.agent_kwargs.max_turn: "
                                                                         "unknown option for agent ReflectionAgent"),
+        (["agent.kind=reflection", "eval.agent_kwargs={plant_first_answer: 2}"],  # a bad value only in the eval's
+         "eval.agent_kwargs.plant_first_answer must be in [0, 1], got 2"),
     ]
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(b'{"question": "a", "answer": "1"}\n{"question": "caf\xe9", "answer": "2"}\n')

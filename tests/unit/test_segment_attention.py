@@ -196,3 +196,10 @@ def test_without_the_kernel_the_pytorch_version_runs(monkeypatch):
     q, k, v = _qkv(0, len(prompt_lens), width, 4, 2, 8, torch.float32)
     out = segment_attention(q, k, v, segment_layout(prompt_lens, spans, width))
     assert type(out.grad_fn).__name__ != "_SegmentKernelBackward"
+
+
+def test_trainers_use_segments_on_cpus_and_the_dense_mask_on_gpus(model):
+    """On a GPU SDPA's fused kernels with the dense mask beat the segments' PyTorch version (models.attention)."""
+    assert model_attention.segments_pay_off(torch.device("cpu"))
+    assert not model_attention.segments_pay_off(torch.device("cuda"))
+    assert TrainEngine(copy.deepcopy(model)).segments

@@ -1,0 +1,87 @@
+"""A CPU engine's float32 linear layers through oneDNN, on machines where oneDNN is the faster library.
+
+Why: PyTorch computes an fp32 `F.linear` on the CPU with MKL's sgemm. At a decode step's shapes (a few dozen rows
+against a weight matrix) MKL was far from the machine's rate on an AMD EPYC (Zen 3, AVX2; docs/benchmarks.md,
+"Rollout speed"): 78-80 GFLOP/s for a layer's projections and 47 GFLOP/s for SmolLM2's LM head (64 x 576 x 49152),
+against 97-104 and 95-104 through oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the op PyTorch's own
+compiler emits for CPU linears) on the same plain weight tensors: no packed copy, so no extra memory and nothing to
+redo when the weights change. Which library wins depends on the CPU, so a quick measurement at decode-like shapes
+decides, once per machine (relayrl.common.hardware.measured), and checks the two agree.
+
+Only the engine's forwards take this path: the patched forward checks for inference mode, which LocalEngine's worker
+runs in and training never does (the trainer's no-grad passes included), so a model shared by engine and trainer
+still trains, and computes old/reference logprobs, through plain `F.linear`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+
+import torch
+import torch.nn.functional as F
+
+from relayrl.common.hardware import measured
+
+log = logging.getLogger(__name__)
+
+_SHAPES = ((64, 576, 1536), (64, 576, 16384))  # decode rows x hidden x (a projection, an LM-head slice)
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_inference_mode_enabled() and x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+        return _onednn(x, self.weight, self.bias)
+    return F.linear(x, self.weight, self.bias)
+
+
+def _seconds(fn, budget: float = 0.05) -> float:
+    fn()  # first call: kernel selection, page faults
+    reps, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < budget or reps < 3:
+        fn()
+        reps += 1
+    return elapsed / reps
+
+
+def _measure() -> dict:
+    """Both libraries at decode-like shapes; oneDNN counts only where it gives F.linear's results."""
+    mkl = onednn = 0.0
+    agree = True
+    with torch.inference_mode():
+        for m, k, n in _SHAPES:
+            x, w = torch.randn(m, k), torch.randn(n, k) / k**0.5
+            agree &= torch.allclose(_onednn(x, w, None), F.linear(x, w), rtol=1e-4, atol=1e-4)
+            mkl += _seconds(lambda: F.linear(x, w))  # noqa: B023 - called at once
+            onednn += _seconds(lambda: _onednn(x, w, None))  # noqa: B023
+    return {"default_s": mkl, "onednn_s": onednn, "agree": bool(agree)}
+
+
+def onednn_is_faster() -> tuple[bool, str]:
+    """Whether fp32 linears at decode shapes run faster through oneDNN than through PyTorch's default on this machine
+    (measured once, cached), and why, for the engine's start-up log."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False, "this PyTorch has no oneDNN linear"
+    try:
+        r = measured("onednn_linear", _measure)
+    except RuntimeError as e:  # an op missing or refusing these tensors in this build
+        return False, f"oneDNN linear failed: {e}"
+    ratio = r["default_s"] / r["onednn_s"]
+    faster = r["agree"] and ratio >= 1.1
+    return faster, (f"oneDNN {ratio:.2f}x PyTorch's default at decode shapes (measured, cached)" if r["agree"]
+                    else "oneDNN's results differ from F.linear's")
+
+
+def install(model: torch.nn.Module) -> int:
+    """Send the fp32 nn.Linear layers of `model` (on the CPU) through oneDNN in inference mode; returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.weight.device.type == "cpu":
+            module.forward = types.MethodType(_forward, module)
+            count += 1
+    return count
