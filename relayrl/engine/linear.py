@@ -1,12 +1,14 @@
-"""A CPU engine's float32 linear layers through oneDNN, on machines where oneDNN is the faster library.
+"""A CPU engine's float32 LM head through oneDNN, on machines where oneDNN is the faster library for it.
 
-Why: PyTorch computes an fp32 `F.linear` on the CPU with MKL's sgemm. At a decode step's shapes (a few dozen rows
-against a weight matrix) MKL was far from the machine's rate on an AMD EPYC (Zen 3, AVX2; docs/benchmarks.md,
-"Rollout speed"): 78-80 GFLOP/s for a layer's projections and 47 GFLOP/s for SmolLM2's LM head (64 x 576 x 49152),
-against 97-104 and 95-104 through oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the op PyTorch's own
-compiler emits for CPU linears) on the same plain weight tensors: no packed copy, so no extra memory and nothing to
-redo when the weights change. Which library wins depends on the CPU, so a quick measurement at decode-like shapes
-decides, once per machine (relayrl.common.hardware.measured), and checks the two agree.
+Why: PyTorch computes an fp32 `F.linear` on the CPU with MKL's sgemm. For an LM head at a decode step's shape (a few
+dozen rows against a [vocab x hidden] matrix) MKL ran far below the machine's rate on an AMD EPYC (Zen 3, AVX2;
+docs/benchmarks.md, "Rollout speed"): 41-47 GFLOP/s for SmolLM2's head (64 x 576 x 49152) and 14 at 8 rows, against
+72-104 and 38 through oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the op PyTorch's own compiler emits
+for CPU linears) on the same plain weight tensor: no packed copy, so no extra memory and nothing to redo when the
+weights change. The layers' own projections stay on MKL: there the two libraries
+traded places from run to run (58-98 vs 76-80 GFLOP/s). Which library wins depends on the CPU, so a quick
+measurement at a head-like shape decides, once per machine (relayrl.common.hardware.measured), and checks the two
+agree.
 
 Only the engine's forwards take this path: the patched forward checks for inference mode, which LocalEngine's worker
 runs in and training never does (the trainer's no-grad passes included), so a model shared by engine and trainer
@@ -26,7 +28,7 @@ from relayrl.common.hardware import measured
 
 log = logging.getLogger(__name__)
 
-_SHAPES = ((64, 576, 1536), (64, 576, 16384))  # decode rows x hidden x (a projection, an LM-head slice)
+_SHAPES = ((64, 576, 16384), (8, 576, 16384))  # decode rows (a full batch, a tail) x hidden x an LM-head slice
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -63,25 +65,26 @@ def _measure() -> dict:
 
 
 def onednn_is_faster() -> tuple[bool, str]:
-    """Whether fp32 linears at decode shapes run faster through oneDNN than through PyTorch's default on this machine
-    (measured once, cached), and why, for the engine's start-up log."""
+    """Whether an fp32 LM head at decode shapes runs faster through oneDNN than through PyTorch's default on this
+    machine (measured once, cached), and why, for the engine's start-up log."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False, "this PyTorch has no oneDNN linear"
     try:
-        r = measured("onednn_linear", _measure)
+        r = measured("onednn_lm_head", _measure)
     except RuntimeError as e:  # an op missing or refusing these tensors in this build
         return False, f"oneDNN linear failed: {e}"
     ratio = r["default_s"] / r["onednn_s"]
     faster = r["agree"] and ratio >= 1.1
-    return faster, (f"oneDNN {ratio:.2f}x PyTorch's default at decode shapes (measured, cached)" if r["agree"]
+    return faster, (f"oneDNN {ratio:.2f}x PyTorch's default at an LM head's decode shapes (measured, cached)"
+                    if r["agree"]
                     else "oneDNN's results differ from F.linear's")
 
 
-def install(model: torch.nn.Module) -> int:
-    """Send the fp32 nn.Linear layers of `model` (on the CPU) through oneDNN in inference mode; returns how many."""
-    count = 0
-    for module in model.modules():
-        if type(module) is torch.nn.Linear and module.weight.device.type == "cpu":
-            module.forward = types.MethodType(_forward, module)
-            count += 1
-    return count
+def install(model: torch.nn.Module) -> bool:
+    """Send `model`'s LM head (its output embeddings, a plain nn.Linear on the CPU) through oneDNN in inference mode;
+    False where the model has no such head."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear or head.weight.device.type != "cpu":
+        return False
+    head.forward = types.MethodType(_forward, head)
+    return True

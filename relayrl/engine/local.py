@@ -358,14 +358,14 @@ class LocalEngine:
             log.info("LocalEngine decode attention: SDPA (%s)", why)
 
     def _choose_linear(self, setting: str) -> str:
-        """fp32 linears on a CPU through oneDNN where it is faster here (relayrl.engine.linear), else PyTorch's."""
+        """An fp32 LM head on a CPU through oneDNN where it is faster here (relayrl.engine.linear), else PyTorch's."""
         fp32_cpu = self.device.type == "cpu" and next(self.model.parameters()).dtype == torch.float32
         if setting == "default" or not fp32_cpu:
             return "default"
         faster, why = (True, "asked for") if setting == "onednn" else engine_linear.onednn_is_faster()
-        if faster:
-            engine_linear.install(self.model)
-        log.info("LocalEngine fp32 linear layers: %s (%s)", "oneDNN" if faster else "PyTorch's default", why)
+        if faster and not engine_linear.install(self.model):
+            faster, why = False, "the model's LM head is not a plain nn.Linear"
+        log.info("LocalEngine fp32 LM head: %s (%s)", "oneDNN" if faster else "PyTorch's default", why)
         return "onednn" if faster else "default"
 
     # ---- worker -------------------------------------------------------------------------------
