@@ -10,6 +10,10 @@ traded places from run to run (58-98 vs 76-80 GFLOP/s). Which library wins depen
 measurement at a head-like shape decides, once per machine (relayrl.common.hardware.measured), and checks the two
 agree.
 
+One difference to know: oneDNN's sums may group differently for the same weight at another address (after
+release_memory gives the weights back and a sync reallocates them), so logits then agree to float rounding rather
+than bit for bit (tests/integration/test_memory_release.py); seeded sampling stays seeded.
+
 Only the engine's forwards take this path: the patched forward checks for inference mode, which LocalEngine's worker
 runs in and training never does (the trainer's no-grad passes included), so a model shared by engine and trainer
 still trains, and computes old/reference logprobs, through plain `F.linear`.

@@ -31,7 +31,10 @@ def test_released_engine_frees_kv_and_weights_and_comes_back_exact(tiny_path):
         eng.update_weights(weights.items(), version=1)
         after = eng.generate([[5, 6, 7], [9, 10]], GREEDY)
         assert [o.output_ids for o in after] == [o.output_ids for o in before]
-        assert [o.logprobs for o in after] == [o.logprobs for o in before]
+        # equal to float rounding: where the LM head runs on oneDNN (relayrl.engine.linear) its sums may group
+        # differently for a weight reallocated at another address; a wrong or missing weight differs by far more
+        for a, b in zip(after, before):
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
     finally:
         eng.close()
 
