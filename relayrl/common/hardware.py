@@ -128,14 +128,20 @@ def resolve_autocast(setting: bool | str, engine_dtype: str, device: str = "cpu"
     return engine_dtype == "bfloat16" or (device == "cpu" and bf16_support("cpu").native)
 
 
+def seconds_per_call(fn: Callable[[], object], budget: float, min_reps: int = 2) -> float:
+    """Mean seconds of fn() over at least `budget` seconds and `min_reps` calls, after one untimed call (kernel
+    selection, page faults): the quick measurements behind relayrl's per-machine choices."""
+    fn()
+    reps, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < budget or reps < min_reps:
+        fn()
+        reps += 1
+    return elapsed / reps
+
+
 def _gflops(dtype: torch.dtype, n: int = 256, seconds: float = 0.03) -> float:
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b  # first call: kernel selection, page faults
-    reps, t0 = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < seconds or reps < 2:
-        a @ b
-        reps += 1
-    return 2 * n**3 * reps / elapsed / 1e9
+    return 2 * n**3 / seconds_per_call(lambda: a @ b, seconds) / 1e9
 
 
 def _measure() -> dict[str, float]:

@@ -22,13 +22,12 @@ still trains, and computes old/reference logprobs, through plain `F.linear`.
 from __future__ import annotations
 
 import logging
-import time
 import types
 
 import torch
 import torch.nn.functional as F
 
-from relayrl.common.hardware import measured
+from relayrl.common.hardware import measured, seconds_per_call
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +46,7 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _seconds(fn, budget: float = 0.05) -> float:
-    fn()  # first call: kernel selection, page faults
-    reps, t0 = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < budget or reps < 3:
-        fn()
-        reps += 1
-    return elapsed / reps
+    return seconds_per_call(fn, budget, min_reps=3)
 
 
 def _measure() -> dict:

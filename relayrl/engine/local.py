@@ -199,8 +199,6 @@ class LocalEngine:
             released, self._released = self._released, {}
             for p, shape in released.values():  # weights given back by release_memory come back here
                 p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
-            if released and self._static is not None:
-                self._static.reset()  # recorded graphs read the old storage
             for name, tensor in named_tensors:
                 if is_adapter_name(name):
                     adapters[name] = tensor
@@ -275,7 +273,7 @@ class LocalEngine:
                         freed += p.numel() * p.element_size()
                         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 if self._static is not None:
-                    self._static.reset()
+                    self._static.reset()  # recorded graphs read this storage; update_weights allocates anew
             return freed
 
     def flush_cache(self) -> None:
