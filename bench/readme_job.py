@@ -76,6 +76,10 @@ def run(a, tmp: str) -> dict:
             "rollout_s_median": sorted(r["time/rollout_s"] for r in steps)[len(steps) // 2],
             "train_s_median": sorted(r["time/train_s"] for r in steps)[len(steps) // 2],
             "eval": [{"step": r["step"], "pass@1": r["eval/pass@1"]} for r in evals],
+            "train_s_by_step": [round(r["time/train_s"], 2) for r in steps],
+            "rollout_s_by_step": [round(r["time/rollout_s"], 2) for r in steps],
+            # samples whose advantages were all 0, left out of the forward/backward (TrainController._contributing)
+            "samples_skipped_zero_adv_by_step": [r.get("train/samples_skipped_zero_adv") for r in steps],
             # the trainer's high-water mark after each step: where in the run the peak came
             "peak_rss_gb_by_step": [round(r["mem/peak_rss_gb"], 3) for r in steps if "mem/peak_rss_gb" in r]}
 

@@ -18,6 +18,8 @@ TESTS = str(Path(__file__).parent)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # tests run N at a time (.ci/run: pytest -n): one torch thread each,
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # else N x cores threads fight over the cores
 
 
 @pytest.fixture(scope="session")

@@ -24,11 +24,19 @@ def group_index(group_ids: list[str]) -> torch.Tensor:
 
 def _group_stats(x: torch.Tensor, groups: torch.Tensor, unbiased: bool):
     n_groups = int(groups.max()) + 1
-    count = torch.zeros(n_groups).index_add_(0, groups, torch.ones_like(x))
-    mean = torch.zeros(n_groups).index_add_(0, groups, x) / count
-    sq = torch.zeros(n_groups).index_add_(0, groups, (x - mean[groups]) ** 2)
+    count = torch.zeros(n_groups, dtype=x.dtype).index_add_(0, groups, torch.ones_like(x))
+    mean = torch.zeros(n_groups, dtype=x.dtype).index_add_(0, groups, x) / count
+    sq = torch.zeros(n_groups, dtype=x.dtype).index_add_(0, groups, (x - mean[groups]) ** 2)
     denom = (count - 1).clamp(min=1) if unbiased else count
     return count[groups], mean[groups], (sq / denom).sqrt()[groups]
+
+
+def _uniform_groups(x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Per sample: whether every reward of its group is the same value."""
+    n_groups = int(groups.max()) + 1
+    hi = torch.full((n_groups,), -torch.inf, dtype=x.dtype).scatter_reduce(0, groups, x, "amax")
+    lo = torch.full((n_groups,), torch.inf, dtype=x.dtype).scatter_reduce(0, groups, x, "amin")
+    return (hi == lo)[groups]
 
 
 def compute_advantages(rewards: torch.Tensor, group_ids: list[str], *, mean: str = "group",
@@ -44,8 +52,13 @@ def compute_advantages(rewards: torch.Tensor, group_ids: list[str], *, mean: str
     A group of one sample has no baseline but itself: its advantage is 0 under mean="group" (with or
     without leave-one-out), never an error, since a rejected or failed sample can leave any group with one
     survivor (the TrainController drops such groups before this; this is the last line of defence).
+
+    A group whose rewards are all equal gets advantages of exactly 0 under mean="group". Computed naively in
+    float32 they are not: eight rewards of 0.1 average to 0.1 plus a rounding error, which divided by
+    (std ~ 1e-8) + eps gave every sample -0.0074 (sixteen rewards of 1.1: -0.106), a spurious push on a group
+    that carries no signal. The statistics are computed in float64 and such groups set to 0 explicitly.
     """
-    r = rewards.float()
+    r = rewards.double()
     groups = group_index(group_ids)
     count, g_mean, g_std = _group_stats(r, groups, unbiased_std)
     if mean == "group":
@@ -54,6 +67,7 @@ def compute_advantages(rewards: torch.Tensor, group_ids: list[str], *, mean: str
             adv = torch.where(count >= 2, r - others, torch.zeros_like(r))
         else:
             adv = r - g_mean
+        adv = adv.masked_fill(_uniform_groups(r, groups), 0.0)
     elif mean == "batch":
         adv = r - r.mean()
     elif mean == "none":
@@ -66,7 +80,7 @@ def compute_advantages(rewards: torch.Tensor, group_ids: list[str], *, mean: str
         adv = adv / (r.std(unbiased=unbiased_std) + eps if len(r) > 1 else 1.0)
     elif std != "none":
         raise ValueError(f"unknown advantage std mode {std!r}")
-    return adv
+    return adv.float()
 
 
 # ---- reward shaping ---------------------------------------------------------------------------

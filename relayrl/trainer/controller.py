@@ -153,13 +153,17 @@ class TrainController:
     def train(self, batch: TrainBatch) -> dict[str, float]:
         cfg = self.train_cfg
         lrs = self.schedule.apply(self._optimizers())
-        n = len(batch.samples)
-        order = list(range(n))
-        per_update = []
+        order = list(range(len(batch.samples)))
+        per_update, skipped = [], [0, 0]
         for _ in range(cfg.epochs):
             for part in _split(order, cfg.minibatches):
-                sub = self._sub_batch(batch, part)
-                stats = self.engine.train_step(sub.micro_batches, self._loss_fn(sub),
+                self._set_weights(batch, part)
+                live = self._contributing(batch, part)
+                stat_weight = 1.0 / max(1, sum(batch.lengths[i] for i in live))  # diagnostics: trained-token means
+                skipped[0] += len(part) - len(live)
+                skipped[1] += sum(batch.lengths[i] for i in part if i not in live)
+                sub = self._sub_batch(batch, live)
+                stats = self.engine.train_step(sub.micro_batches, self._loss_fn(sub, stat_weight),
                                                entropy_grad=self.algo.entropy_coef != 0)
                 if self.critic is not None:
                     stats |= self.critic.train_step(sub.micro_batches, self._value_loss_fn(sub))
@@ -167,12 +171,32 @@ class TrainController:
         metrics = {f"train/{k}": v for k, v in reduce_stats(per_update, mean=True).items()}
         metrics.update(self._batch_metrics(batch))
         metrics.update(self._step_stats)
+        updates = max(1, len(per_update))
+        metrics["train/samples_skipped_zero_adv"] = skipped[0] / updates
+        metrics["train/tokens_skipped_zero_adv"] = skipped[1] / updates
         metrics["train/lr"] = lrs[0]
         if self.critic is not None:
             metrics["train/critic_lr"] = lrs[-1]
         self.schedule.step()
         self.version += 1
         return metrics
+
+    def _contributing(self, batch: TrainBatch, part: list[int]) -> list[int]:
+        """The samples of an update that can move the weights: those with a nonzero advantage on some token.
+
+        A sample whose advantages are all 0 has a policy term of 0 * (ratio terms) on every token, so its
+        forward and backward add exactly nothing to the gradient, while its tokens still count in the loss
+        weights' denominator (`_set_weights` is given the whole update). Late in a GRPO run most groups are
+        all right (or all wrong) and their samples are a large share of the step. Kept when something else
+        reads them: a KL-to-reference or entropy term in the loss, or a critic trained on the same samples. An
+        update with no contributing sample keeps them all, so the optimizer still steps on exact zero
+        gradients (Adam's moments decay) as it would have."""
+        a = self.algo
+        kl_in_loss = a.kl_mode == "loss" and a.kl_coef != 0 and self.ref_engine is not None
+        if self.critic is not None or a.entropy_coef != 0 or kl_in_loss:
+            return part
+        live = [i for i in part if bool(batch.per_token["advantages"][i].any())]
+        return live or part
 
     def sync_weights(self, rollout_ctl) -> None:
         """Relay the new weights to every inference engine behind `rollout_ctl`."""
@@ -298,16 +322,21 @@ class TrainController:
             sub.per_token = {k: [v[i] for i in idx] for k, v in batch.per_token.items()}
         return sub
 
-    def _loss_fn(self, batch: TrainBatch):
+    def _set_weights(self, batch: TrainBatch, part: list[int]) -> None:
+        """Loss weights of the update over samples `part`, normalised over all of them (including any that
+        `_contributing` leaves out, so leaving them out changes nothing)."""
         a = self.algo
-        lengths = batch.lengths
-        keep = [s.finish_reason != "length" for s in batch.samples] if a.overlong_filter else None
+        lengths = [batch.lengths[i] for i in part]
+        keep = [batch.samples[i].finish_reason != "length" for i in part] if a.overlong_filter else None
         weights = token_weights(lengths, a.loss_agg, self.max_new_tokens, keep)
         if keep is not None:
             self._step_stats["train/overlong_filtered_frac"] = 1.0 - sum(keep) / len(keep)
-        batch.per_token["weights"] = list(weights.split(lengths))
-        stat_weight = 1.0 / max(1, sum(lengths))
+        store = batch.per_token.setdefault("weights", [torch.zeros(0)] * len(batch.samples))
+        for i, w in zip(part, weights.split(lengths)):
+            store[i] = w
 
+    def _loss_fn(self, batch: TrainBatch, stat_weight: float):
+        a = self.algo
         kl_loss_coef = a.kl_coef if a.kl_mode == "loss" else 0.0  # in reward mode, kl_ref is only logged
 
         def loss_fn(mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor | None):

@@ -164,19 +164,27 @@ def reference(tiny_path):
     return out
 
 
-def assert_same_update(got: dict, want: dict, atol: float) -> None:
+def assert_same_update(got: dict, want: dict, atol: float, adam: bool = False) -> None:
+    """Same loss, gradient norm and weights after the step. After an Adam step a weight whose gradient is 0 up to
+    rounding moves by up to +-lr depending on the rounding's sign (Adam divides by |grad|), and the ranks' sums
+    round differently from one process's (in the full suite one such element of 300k failed at 1e-6), so with
+    `adam` at most 1 in 10,000 elements may differ by up to 2 * lr; a wrong sharded step moves far more."""
     assert got["metrics"]["train/loss"] == pytest.approx(want["metrics"]["train/loss"], abs=1e-6)
     assert got["metrics"]["train/grad_norm"] == pytest.approx(want["metrics"]["train/grad_norm"], rel=1e-5)
     assert got["after"].keys() == want["after"].keys()
     for name, w in want["after"].items():
-        assert torch.allclose(got["after"][name], w, atol=atol, rtol=0), name
+        diff = (got["after"][name] - w).abs()
+        if adam:
+            assert float(diff.max()) <= 2 * LR and int((diff > atol).sum()) <= max(1, diff.numel() // 10_000), name
+        else:
+            assert torch.allclose(got["after"][name], w, atol=atol, rtol=0), name
 
 
 @pytest.mark.parametrize("case", ["sgd", "padded", "adamw"])
 def test_fsdp_step_equals_single_process_step(worlds, reference, case):
     assert reference[case]["metrics"]["train/micro_batches"] >= 3  # data parallelism has work to split
     for ws in (1, 2):
-        assert_same_update(worlds[ws][0][case], reference[case], atol=1e-6)
+        assert_same_update(worlds[ws][0][case], reference[case], atol=1e-6, adam=case == "adamw")
     assert worlds[2][0][case]["metrics"]["train/dp_empty_steps"] >= 0
 
 

@@ -61,9 +61,16 @@ def advantages(ctl, **per_token):
     return ctl.compute_advantages(batch)
 
 
+def loss_fn(ctl, batch):
+    """The controller's loss function for one update over the whole batch."""
+    everything = list(range(len(batch.samples)))
+    ctl._set_weights(batch, everything)
+    return ctl._loss_fn(batch, 1.0 / sum(batch.lengths))
+
+
 def loss(ctl, batch, new_logp):
     """The preset's loss over all micro-batches, with per-sample new logprobs given by hand."""
-    fn = ctl._loss_fn(batch)
+    fn = loss_fn(ctl, batch)
     total, parts = 0.0, []
     for mb in batch.micro_batches:
         logp = torch.cat([torch.tensor(new_logp[i], dtype=torch.float32) for i in mb.sample_idx]).requires_grad_()
@@ -225,7 +232,7 @@ def test_gspo_clips_whole_sequences_on_their_geometric_mean_ratio(tiny_path):
 def test_gspo_gradient_is_the_sequence_ratio_times_the_mean_token_gradient(tiny_path):
     ctl = controller(tiny_path, "gspo")
     batch = advantages(ctl, old_logp=per_token([0.0] * 5))
-    fn = ctl._loss_fn(batch)
+    fn = loss_fn(ctl, batch)
     new = [[2e-4, 4e-4], [1e-3, 0.0, -1e-4], [1e-3] * 4, [-1e-3], [-5e-4, -5e-4]]
     grads = {}
     for mb in batch.micro_batches:
