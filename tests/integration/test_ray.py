@@ -23,7 +23,6 @@ from conftest import TESTS, USER_OUTPUTS, default_sigint, tiny_run_args, write_s
 from safetensors.torch import load_file
 
 pytest.importorskip("ray")
-pytestmark = pytest.mark.xdist_group("ray")  # run in parallel (.ci/run), these share one worker: one cluster at a time
 
 ENV = {**os.environ, "PYTHONPATH": TESTS, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
 RAY = str(Path(sys.executable).with_name("ray"))
