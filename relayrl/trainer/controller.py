@@ -160,8 +160,9 @@ class TrainController:
                 self._set_weights(batch, part)
                 live = self._contributing(batch, part)
                 stat_weight = 1.0 / max(1, sum(batch.lengths[i] for i in live))  # diagnostics: trained-token means
-                skipped[0] += len(part) - len(live)
-                skipped[1] += sum(batch.lengths[i] for i in part if i not in live)
+                left_out = set(part) - set(live)
+                skipped[1] += sum(batch.lengths[i] for i in left_out)
+                skipped[0] += len(left_out)
                 sub = self._sub_batch(batch, live)
                 stats = self.engine.train_step(sub.micro_batches, self._loss_fn(sub, stat_weight),
                                                entropy_grad=self.algo.entropy_coef != 0)
