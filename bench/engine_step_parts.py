@@ -54,17 +54,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def timed(engine, name: str, totals: dict, counts: dict, within: str | None = None) -> None:
-    """Replace engine.<name> by a wrapper adding its synchronised wall time to totals[name]; with `within`, only
-    the calls made while engine.<within> runs (timed too): the engine also runs a decode forward outside decode
-    steps, to check its attention kernel when the KV cache is (re)allocated."""
+def timed(engine, name: str, totals: dict, counts: dict) -> None:
+    """Replace engine.<name> by a wrapper adding its synchronised wall time to totals[name]."""
     inner = getattr(engine, name)
 
     @functools.wraps(inner)
     def wrapper(*args, **kwargs):
-        if within is not None and not counts.get(f"{within}:running"):
-            return inner(*args, **kwargs)
-        counts[f"{name}:running"] = 1
         t0 = time.perf_counter()
         try:
             return inner(*args, **kwargs)
@@ -72,7 +67,6 @@ def timed(engine, name: str, totals: dict, counts: dict, within: str | None = No
             _common.synchronize(engine.device)
             totals[name] += time.perf_counter() - t0
             counts[name] += 1
-            counts[f"{name}:running"] = 0
 
     setattr(engine, name, wrapper)
 
@@ -171,9 +165,8 @@ def main() -> None:
 
     totals: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.defaultdict(int)
-    for name in ("_admit", "_decode_step", "_sample_and_append", "_retire_finished"):
+    for name in ("_admit", "_decode_step", "_forward_decode", "_sample_and_append", "_retire_finished"):
         timed(engine, name, totals, counts)
-    timed(engine, "_forward_decode", totals, counts, within="_decode_step")
     busy0 = engine.stats["busy_s"]
     t0 = time.perf_counter()
     engine.generate([p for p in prompts for _ in range(a.group)], params)
@@ -191,7 +184,7 @@ def main() -> None:
                         "cuda_graphs": engine.cuda_graphs},
            "wall_s": wall, "worker_busy_s": busy, "decode_steps": steps,
            "parts_s": {k.lstrip("_"): v for k, v in totals.items()},
-           "calls": {k.lstrip("_"): v for k, v in counts.items() if not k.endswith(":running")},
+           "calls": {k.lstrip("_"): v for k, v in counts.items()},
            "per_decode_step_ms": {k.lstrip("_"): v for k, v in per_step.items()},
            "bare_decode_forward_ms": bare, "bare_context": a.prompt_len + a.max_new_tokens // 2,
            "tokens_per_s": a.prompts * a.group * a.max_new_tokens / wall}

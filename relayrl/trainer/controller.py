@@ -153,15 +153,15 @@ class TrainController:
     def train(self, batch: TrainBatch) -> dict[str, float]:
         cfg = self.train_cfg
         lrs = self.schedule.apply(self._optimizers())
-        order = list(range(len(batch.samples)))
+        order, lengths = list(range(len(batch.samples))), batch.lengths
         per_update, skipped = [], [0, 0]
         for _ in range(cfg.epochs):
             for part in _split(order, cfg.minibatches):
                 self._set_weights(batch, part)
                 live = self._contributing(batch, part)
-                stat_weight = 1.0 / max(1, sum(batch.lengths[i] for i in live))  # diagnostics: trained-token means
+                stat_weight = 1.0 / max(1, sum(lengths[i] for i in live))  # diagnostics: trained-token means
                 left_out = set(part) - set(live)
-                skipped[1] += sum(batch.lengths[i] for i in left_out)
+                skipped[1] += sum(lengths[i] for i in left_out)
                 skipped[0] += len(left_out)
                 sub = self._sub_batch(batch, live)
                 stats = self.engine.train_step(sub.micro_batches, self._loss_fn(sub, stat_weight),
@@ -327,7 +327,8 @@ class TrainController:
         """Loss weights of the update over samples `part`, normalised over all of them (including any that
         `_contributing` leaves out, so leaving them out changes nothing)."""
         a = self.algo
-        lengths = [batch.lengths[i] for i in part]
+        all_lengths = batch.lengths  # a property: one list, not one per sample
+        lengths = [all_lengths[i] for i in part]
         keep = [batch.samples[i].finish_reason != "length" for i in part] if a.overlong_filter else None
         weights = token_weights(lengths, a.loss_agg, self.max_new_tokens, keep)
         if keep is not None:
