@@ -31,6 +31,10 @@ class ModelConfig:
     # recompute each layer in backward: activations of one layer, ~30% more compute; auto: on when the training
     # floor (16 bytes per trainable parameter) is at least a fifth of the trainer device's memory (relayrl.common.utils)
     gradient_checkpointing: bool | Literal["auto"] = "auto"
+    # what a checkpointed layer keeps instead of recomputing (relayrl.trainer.checkpointing): nothing; mlp = the MLP's
+    # gate/up outputs (2/3 of the recompute's matmul work, 2 x intermediate values per token and layer); matmuls =
+    # every matmul output (only elementwise work and attention run again)
+    checkpoint_saves: Literal["nothing", "mlp", "matmuls"] = "nothing"
     # LoRA (peft): train low-rank adapters only; only they travel to the engines (relayrl/trainer/lora.py)
     lora_rank: int = 0  # 0: off (full-parameter training)
     lora_alpha: float = 16.0  # the adapter's scaling is lora_alpha / lora_rank
@@ -75,6 +79,9 @@ class EngineConfig:
     max_tokens_in_flight: int | None = None  # admit requests while sum(prompt + max_new_tokens) fits
     kv_cache_gb: float | None = None  # each local engine's KV cache budget, GB (1e9 B); requests beyond it queue
     prefix_cache_size: int = 64  # finished trajectories whose KV is kept for their next turn
+    # local engines: prompts that arrive together are prefilled in forwards of up to this many (padded) tokens, their
+    # shared start once (relayrl.engine.prefill); 0: one prompt per forward, nothing shared
+    prefill_tokens: int = 2048
     kv_on_update: Literal["recompute", "keep"] = "recompute"  # KV of running sequences after a weight update
     # colocated synchronous runs: local engines give back their KV cache and weights while the trainer trains
     # (the weight sync after the step restores them), so generation's and training's peaks never add up
@@ -116,6 +123,7 @@ class EngineConfig:
         check(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")
         check(self.kv_cache_gb is None or self.kv_cache_gb > 0, "kv_cache_gb", "must be > 0 (or null: no budget)")
         check(self.num_engines >= 1, "num_engines", "must be >= 1")
+        check(self.prefill_tokens >= 0, "prefill_tokens", "must be >= 0 (0: one prompt per forward)")
         check(self.retries >= 0, "retries", "must be >= 0")
         check(self.request_timeout > 0, "request_timeout", "must be > 0")
         if self.kind == "remote":

@@ -47,6 +47,21 @@ def kernel_supports(dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim:
     return dtype in _DTYPES and num_heads % kv_heads == 0 and num_heads // kv_heads <= _MAX_G and head_dim <= _MAX_D
 
 
+def why_not_kernel(model: torch.nn.Module, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """Why `model` cannot attend through the kernel in decode steps (None: it can, and its attention calls now come
+    to relayrl's entry point)."""
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        return f"the C kernel reads CPU memory and the model is on {device}"
+    if not kernel_supports(dtype, heads, kv_heads, head_dim):
+        return f"no kernel for dtype={dtype}, heads={heads}/{kv_heads}, head_dim={head_dim}"
+    if load_kernel() is None:
+        return "the kernel did not build (see the warning above) or RELAYRL_KERNELS=0"
+    if not install(model):
+        return f"the model's attention ({model.config._attn_implementation}) is not SDPA"
+    return None
+
+
 def decode_attention(lib: ctypes.CDLL, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                      scale: float) -> torch.Tensor:

@@ -79,10 +79,12 @@ class SlotKVCache:
             t[dst, :, :length] = t[src, :, :length]
 
     # ---- modes set by the engine before each forward -----------------------------------------
-    def prefill_into(self, slot: int, start: int = 0) -> None:
-        """Next forward is a single-sequence prefill whose keys/values go to `slot` from `start` on,
-        attending to the slot's first `start` positions (a reused prefix) as well."""
-        self._mode, self.fused = ("prefill", slot, start), False
+    def prefill_into(self, slots: int | list[int], start: int = 0) -> None:
+        """Next forward is a prefill of one row per slot (rows right-padded to one width), whose keys/values go to
+        those slots from `start` on, attending to each slot's first `start` positions (a reused prefix) as well."""
+        index = slots if isinstance(slots, int) else (
+            slots[0] if len(slots) == 1 else torch.tensor(slots, device=self.device))
+        self._mode, self.fused = ("prefill", index, start), False
 
     def export(self, slot: int, length: int) -> list[torch.Tensor]:
         """A copy of a slot's first `length` positions (all layers, keys then values), to park it."""
@@ -109,13 +111,15 @@ class SlotKVCache:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         mode = self._mode[0]
         if mode == "prefill":
-            slot, start = self._mode[1], self._mode[2]
+            slots, start = self._mode[1], self._mode[2]  # an int (one row) or a tensor of slots
             end = start + key.shape[2]
-            self.k[layer_idx][slot, :, start:end] = key[0]
-            self.v[layer_idx][slot, :, start:end] = value[0]
+            one = isinstance(slots, int)
+            self.k[layer_idx][slots, :, start:end] = key[0] if one else key
+            self.v[layer_idx][slots, :, start:end] = value[0] if one else value
             if start == 0:
                 return key, value
-            return self.k[layer_idx][slot: slot + 1, :, :end], self.v[layer_idx][slot: slot + 1, :, :end]
+            rows = slice(slots, slots + 1) if one else slots
+            return self.k[layer_idx][rows, :, :end], self.v[layer_idx][rows, :, :end]
         if mode == "decode" and self.fused:
             return key, value  # attend() writes them
         if mode == "decode":

@@ -86,3 +86,16 @@ def install(model: torch.nn.Module) -> bool:
         return False
     head.forward = types.MethodType(_forward, head)
     return True
+
+
+def choose(model: torch.nn.Module, setting: str) -> str:
+    """An fp32 LM head on a CPU through oneDNN where it is faster here (or `setting` says so), else PyTorch's;
+    returns "onednn" or "default" and logs why."""
+    param = next(model.parameters())
+    if setting == "default" or param.device.type != "cpu" or param.dtype != torch.float32:
+        return "default"
+    faster, why = (True, "asked for") if setting == "onednn" else onednn_is_faster()
+    if faster and not install(model):
+        faster, why = False, "the model's LM head is not a plain nn.Linear"
+    log.info("LocalEngine fp32 LM head: %s (%s)", "oneDNN" if faster else "PyTorch's default", why)
+    return "onednn" if faster else "default"

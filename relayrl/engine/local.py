@@ -37,7 +37,6 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -50,35 +49,14 @@ from relayrl.engine import linear as engine_linear
 from relayrl.engine.base import GenOutput, SamplingParams
 from relayrl.engine.decode_graphs import StaticDecode
 from relayrl.engine.kv_cache import SlotKVCache
+from relayrl.engine.prefill import SharedStart, prefill
 from relayrl.engine.sampling import sample_tokens
+from relayrl.engine.sequence import Seq, resolve
 from relayrl.models import eos_token_ids, load_model, load_tokenizer
 from relayrl.trainer.lora import is_adapter_name, merge_into
 from relayrl.trainer.optim import round_to_bf16_
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Seq:
-    prompt: list[int]
-    params: SamplingParams
-    future: concurrent.futures.Future
-    stop_ids: frozenset[int]
-    generator: torch.Generator | None
-    out_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    kv_len: int = 0  # positions written to the KV cache (the last sampled token is not yet written)
-    prompt_logits: torch.Tensor | None = None  # last-position logits of the prompt, for prefix sharing
-    rid: str | None = None
-    refill: bool = False  # rebuild this sequence's KV before its next step (weights changed)
-
-    @property
-    def cost(self) -> int:
-        return len(self.prompt) + self.params.max_new_tokens
-
-    def output(self, reason: str) -> GenOutput:
-        return GenOutput(self.out_ids, self.logprobs, self.versions, reason, len(self.prompt))
 
 
 class LocalEngine:
@@ -88,7 +66,7 @@ class LocalEngine:
                  max_seq_len: int | None = None, seed: int = 0, max_tokens_in_flight: int | None = None,
                  prefix_cache_size: int = 64, kv_on_update: str = "recompute", attention: str = "auto",
                  owns_weights: bool = True, kv_cache_bytes: int | None = None, weight_rounding: str = "stochastic",
-                 cuda_graphs: bool = True, linear: str = "auto"):
+                 cuda_graphs: bool = True, linear: str = "auto", prefill_tokens: int = 2048):
         if kv_on_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_update must be 'recompute' or 'keep', got {kv_on_update!r}")
         if weight_rounding not in ("stochastic", "nearest"):
@@ -106,7 +84,7 @@ class LocalEngine:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.device = model_device(model)
         avoid_cudnn_attention(self.device)
-        self.linear = self._choose_linear(linear)
+        self.linear = engine_linear.choose(model, linear)  # the LM head's library: "onednn" or "default"
         if kv_cache_bytes is not None and kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {kv_cache_bytes}")
         # grown on the first admission to what the batch needs: start at one small slot
@@ -123,10 +101,12 @@ class LocalEngine:
         self._generator = torch.Generator().manual_seed(seed)  # a CPU generator on any device (sampling.py)
         self._sample_work = torch.empty(0, device=self.device)  # sampling's float32 scratch, grown as needed
         self.max_tokens_in_flight, self.kv_on_update = max_tokens_in_flight, kv_on_update
+        self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (relayrl.engine.prefill; 0: one row)
+        self._start = SharedStart()  # the KV of the last start several prompts shared (cleared with the weights)
         self._parked: OrderedDict[str, tuple[list[int], list[torch.Tensor]]] = OrderedDict()
         self.prefix_cache_size = prefix_cache_size
-        self._waiting: deque[_Seq] = deque()
-        self._active: list[_Seq] = []  # index = KV slot
+        self._waiting: deque[Seq] = deque()
+        self._active: list[Seq] = []  # index = KV slot
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()
         self._paused = False
@@ -170,7 +150,7 @@ class LocalEngine:
                              f"{self.kv_cache_bytes / 1e9:.4f} GB (engine.kv_cache_gb)")
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        seq = _Seq(list(input_ids), params, concurrent.futures.Future(), stop, gen, rid=rid)
+        seq = Seq(list(input_ids), params, concurrent.futures.Future(), stop, gen, rid=rid)
         with self._cond:
             if self._closed:
                 raise RuntimeError("LocalEngine is closed")
@@ -216,6 +196,7 @@ class LocalEngine:
             merge_into(self._state, adapters, self._lora_base)
             self._version = version
             self._parked.clear()  # parked KV was computed by the old weights
+            self._start.clear()
             if self.kv_on_update == "recompute":
                 for seq in self._active:
                     seq.refill = True
@@ -245,11 +226,11 @@ class LocalEngine:
                 for q in hit:
                     self._waiting.remove(q)
             for q in hit:
-                _resolve(q, q.output("abort"))
+                resolve(q, q.output("abort"))
             slots = [i for i, q in enumerate(self._active) if rid is None or q.rid == rid]
             for i in reversed(slots):
                 q = self._release(i)
-                _resolve(q, q.output("abort"))
+                resolve(q, q.output("abort"))
             self.stats["aborted"] += len(hit) + len(slots)
             return len(hit) + len(slots)
 
@@ -263,6 +244,7 @@ class LocalEngine:
             with self._cond:
                 self._waiting = deque(q for q in self._waiting if not q.future.cancelled())
             self._parked.clear()
+            self._start.clear()
             if self._active or self._waiting:  # someone still generates: keep what their requests use
                 return 0
             freed = self.cache.release()
@@ -277,9 +259,10 @@ class LocalEngine:
             return freed
 
     def flush_cache(self) -> None:
-        """Forget parked KV (finished trajectories' prefixes)."""
+        """Forget parked KV (finished trajectories' prefixes) and the kept shared start."""
         with self._step_lock:
             self._parked.clear()
+            self._start.clear()
 
     def set_version(self, version: int) -> None:
         with self._step_lock:
@@ -332,20 +315,12 @@ class LocalEngine:
         """Route decode attention through the C kernel when the model is on the CPU, the kernel builds, fits the
         model and the model sends its attention calls to it (checked on one real decode step); else SDPA (the
         reason logged), or an error when `required`."""
-        why = None
-        if self.device.type != "cpu":
-            why = f"the C kernel reads CPU memory and the model is on {self.device}"
-        elif not attention.kernel_supports(self.cache.dtype, heads, kv_heads, head_dim):
-            why = f"no kernel for dtype={self.cache.dtype}, heads={heads}/{kv_heads}, head_dim={head_dim}"
-        elif (lib := attention.load_kernel()) is None:
-            why = "the kernel did not build (see the warning above) or RELAYRL_KERNELS=0"
-        elif not attention.install(self.model):
-            why = f"the model's attention ({self.model.config._attn_implementation}) is not SDPA"
-        else:
-            self.cache.kernel = lib
+        why = attention.why_not_kernel(self.model, self.cache.dtype, heads, kv_heads, head_dim)
+        if why is None:
+            self.cache.kernel = attention.load_kernel()
             try:  # _forward_decode checks that every layer's attention went through the kernel
                 with torch.inference_mode():
-                    self._prefill([0, 0], 0)
+                    self._prefill([[0, 0]], [0])
                     self._forward_decode([0], [2])
             except RuntimeError as e:
                 self.cache.kernel, why = None, str(e)
@@ -354,17 +329,6 @@ class LocalEngine:
             raise RuntimeError(f"engine.attention=kernel: {why}")
         if why:
             log.info("LocalEngine decode attention: SDPA (%s)", why)
-
-    def _choose_linear(self, setting: str) -> str:
-        """An fp32 LM head on a CPU through oneDNN where it is faster here (relayrl.engine.linear), else PyTorch's."""
-        fp32_cpu = self.device.type == "cpu" and next(self.model.parameters()).dtype == torch.float32
-        if setting == "default" or not fp32_cpu:
-            return "default"
-        faster, why = (True, "asked for") if setting == "onednn" else engine_linear.onednn_is_faster()
-        if faster and not engine_linear.install(self.model):
-            faster, why = False, "the model's LM head is not a plain nn.Linear"
-        log.info("LocalEngine fp32 LM head: %s (%s)", "oneDNN" if faster else "PyTorch's default", why)
-        return "onednn" if faster else "default"
 
     # ---- worker -------------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
@@ -395,11 +359,11 @@ class LocalEngine:
                     self._active.clear()
                 self.stats["busy_s"] += time.perf_counter() - t0
 
-    def _take_admissible(self) -> list[_Seq]:
+    def _take_admissible(self) -> list[Seq]:
         """Waiting requests that fit the free slots, the tokens-in-flight budget and the KV cache's byte budget
         (called under _cond); the first in line always fits an empty engine (submit checks it)."""
         used = sum(q.cost for q in self._active)
-        new: list[_Seq] = []
+        new: list[Seq] = []
         kv_len = 0
         while self._waiting and len(self._active) + len(new) < self.max_batch_size:
             head = self._waiting[0]
@@ -431,15 +395,17 @@ class LocalEngine:
                 self._release(i)
 
     def _refill(self) -> None:
-        """Rebuild the KV of sequences that were running when the weights changed."""
-        for slot, seq in enumerate(self._active):
-            if seq.refill:
-                self._prefill(seq.prompt + seq.out_ids[:-1], slot)
-                seq.refill = False
+        """Rebuild the KV of sequences that were running when the weights changed (in batched prefills)."""
+        slots = [slot for slot, seq in enumerate(self._active) if seq.refill]
+        if slots:
+            self._prefill([self._active[i].prompt + self._active[i].out_ids[:-1] for i in slots], slots)
+        for i in slots:
+            self._active[i].refill = False
 
-    def _admit(self, new: list[_Seq]) -> None:
-        """Prefill each distinct prompt once (reusing a parked prefix if any); one slot per request."""
-        groups: dict[tuple[int, ...], list[_Seq]] = {}
+    def _admit(self, new: list[Seq]) -> None:
+        """Prefill each distinct prompt once (reusing a parked prefix or a running twin's KV if any; the rest in
+        batched forwards, relayrl.engine.prefill); one slot per request."""
+        groups: dict[tuple[int, ...], list[Seq]] = {}
         for seq in new:
             groups.setdefault(tuple(seq.prompt), []).append(seq)
         need_len = max((self._kv_len(len(s.prompt), s.params.max_new_tokens) for s in new), default=0)
@@ -447,15 +413,21 @@ class LocalEngine:
         if self.kv_cache_bytes and not self._active and self.cache.bytes_for(slots, need_len) > self.kv_cache_bytes:
             self.cache.release()  # idle: a different shape (more slots, shorter) fits the budget where growing won't
         self.cache.ensure(slots, need_len)
+        plan, fresh, first = [], [], len(self._active)  # (prompt, seqs, first slot, twin slot, logits) per group
         for prompt, seqs in groups.items():
-            first = len(self._active)
             twin = self._running_twin(prompt)
-            if twin is None:
-                logits = self._prefill(list(prompt), first, self._reuse(seqs[0], first))
-                start = 1
-            else:  # a sample of the same group is already running: its prompt KV is still intact
-                logits, start = self._active[twin].prompt_logits, 0
-            for i in range(start, len(seqs)):
+            logits = None if twin is None else self._active[twin].prompt_logits
+            if twin is None and (reused := self._reuse(seqs[0], first)):
+                logits = self._prefill([list(prompt)], [first], reused)[0]
+            elif twin is None:
+                fresh.append(len(plan))
+            plan.append([prompt, seqs, first, twin, logits])
+            first += len(seqs)
+        if fresh:
+            for i, logits in zip(fresh, self._prefill([list(plan[i][0]) for i in fresh], [plan[i][2] for i in fresh])):
+                plan[i][4] = logits
+        for prompt, seqs, first, twin, logits in plan:
+            for i in range(0 if twin is not None else 1, len(seqs)):
                 self.cache.copy_slot(first if twin is None else twin, first + i, len(prompt))
             for seq in seqs:
                 seq.kv_len = len(prompt)
@@ -471,7 +443,7 @@ class LocalEngine:
                 return slot
         return None
 
-    def _reuse(self, seq: _Seq, slot: int) -> int:
+    def _reuse(self, seq: Seq, slot: int) -> int:
         """Restore the parked KV of seq's trajectory into `slot` if seq's prompt extends it; tokens reused."""
         parked = self._parked.pop(seq.rid, None) if seq.rid is not None else None
         if parked is None:
@@ -483,18 +455,12 @@ class LocalEngine:
         self.stats["reused_tokens"] += len(tokens)
         return len(tokens)
 
-    def _prefill(self, tokens: list[int], slot: int, start: int = 0) -> torch.Tensor:
-        """Run tokens[start:] through the model into `slot` (positions < start are already cached)."""
-        n = len(tokens) - start
-        dev = self.device
-        self.cache.prefill_into(slot, start)
-        mask = torch.ones(n, len(tokens), dtype=torch.bool, device=dev).tril_(diagonal=start)[None, None]
-        out = self.model(input_ids=torch.tensor([tokens[start:]], device=dev),
-                         position_ids=torch.arange(start, len(tokens), device=dev)[None],
-                         attention_mask=mask, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        self.stats["prefill_tokens"] += n
-        self.stats["prefills"] += 1
-        return out.logits[:, -1].float()
+    def _prefill(self, rows: list[list[int]], slots: list[int], start: int = 0) -> torch.Tensor:
+        """Run rows[i][start:] through the model into slots[i] (positions < start are cached); last logits [n, V]."""
+        logits, computed = prefill(self.model, self.cache, rows, slots, start, self.prefill_tokens, self._start)
+        self.stats["prefill_tokens"] += computed
+        self.stats["prefills"] += len(rows)
+        return logits
 
     def _forward_decode(self, tokens: list[int], kv_lens: list[int]) -> torch.Tensor:
         """One token for each of slots 0..n-1, at positions `kv_lens`; returns the logits [n, vocab]. The
@@ -523,7 +489,7 @@ class LocalEngine:
         self._sample_and_append(seqs, logits)
         self._retire_finished()
 
-    def _sample_and_append(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+    def _sample_and_append(self, seqs: list[Seq], logits: torch.Tensor) -> None:
         if self._sample_work.numel() < logits.numel():
             self._sample_work = torch.empty(logits.numel(), device=self.device)
         tokens, logprobs = sample_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs],
@@ -534,7 +500,7 @@ class LocalEngine:
             seq.versions.append(self._version)
         self.stats["generated_tokens"] += len(seqs)
 
-    def _finish_reason(self, seq: _Seq) -> str | None:
+    def _finish_reason(self, seq: Seq) -> str | None:
         if seq.out_ids[-1] in seq.stop_ids:
             return "stop"
         if len(seq.out_ids) >= seq.params.max_new_tokens or seq.kv_len + 1 >= self.max_seq_len:
@@ -552,9 +518,9 @@ class LocalEngine:
                 self._parked[seq.rid] = (seq.prompt + seq.out_ids[:-1], self.cache.export(i, seq.kv_len))
                 while len(self._parked) > self.prefix_cache_size:
                     self._parked.popitem(last=False)
-            _resolve(self._release(i), seq.output(reason))
+            resolve(self._release(i), seq.output(reason))
 
-    def _release(self, i: int) -> _Seq:
+    def _release(self, i: int) -> Seq:
         """Remove the sequence in slot i, keeping slots dense (the last slot moves into the hole)."""
         seq, last = self._active[i], len(self._active) - 1
         if i != last:
@@ -562,11 +528,6 @@ class LocalEngine:
             self._active[i] = self._active[last]
         self._active.pop()
         return seq
-
-
-def _resolve(seq: _Seq, out: GenOutput) -> None:
-    if not seq.future.done():  # a caller may have cancelled it
-        seq.future.set_result(out)
 
 
 def _round_up(x: int, multiple: int) -> int:

@@ -338,7 +338,7 @@ def make_engines(cfg: Config, model_path: str, eos: list[int], run_dir: Path, la
         kw = dict(eos_token_ids=eos, max_batch_size=e.max_batch_size, max_seq_len=e.max_seq_len,
                   max_tokens_in_flight=e.max_tokens_in_flight, prefix_cache_size=e.prefix_cache_size,
                   kv_on_update=e.kv_on_update, attention=e.attention, weight_rounding=e.weight_rounding,
-                  cuda_graphs=e.cuda_graphs,
+                  cuda_graphs=e.cuda_graphs, prefill_tokens=e.prefill_tokens,
                   kv_cache_bytes=None if e.kv_cache_gb is None else int(e.kv_cache_gb * 1e9))
         if shared_model is not None:
             return [LocalEngine(shared_model, seed=cfg.run.seed, owns_weights=False, **kw)]
@@ -391,7 +391,8 @@ def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainControl
     t = cfg.train
     engine_kw = dict(temperature=cfg.sampling.temperature, autocast_bf16=cfg.model.autocast_bf16)
     optim_kw = dict(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                    gradient_checkpointing=cfg.model.gradient_checkpointing)  # "auto": decided by the engine
+                    gradient_checkpointing=cfg.model.gradient_checkpointing,  # "auto": decided by the engine
+                    checkpoint_saves=cfg.model.checkpoint_saves)
     if t.engine == "fsdp":  # this process's shard; the process group is up (relayrl.run.loop.train)
         train_engine = FSDPEngine.from_pretrained(model_path, dtype=cfg.model.train_dtype,
                                                   mixed_precision=t.fsdp_mixed_precision, **optim_kw, **engine_kw)

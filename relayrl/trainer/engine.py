@@ -25,6 +25,7 @@ from relayrl.models import load_model
 from relayrl.models.attention import install as install_attention
 from relayrl.models.attention import segments_pay_off
 from relayrl.trainer.algo import reduce_stats
+from relayrl.trainer.checkpointing import Saves, checkpoint_kwargs
 from relayrl.trainer.logprobs import token_logprobs, weight_grad_into_param
 from relayrl.trainer.lora import adapter_tensors, is_lora
 from relayrl.trainer.lora import wrap as wrap_lora
@@ -38,9 +39,10 @@ class TrainEngine:
     def __init__(self, model: torch.nn.Module, *, lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
                  weight_decay: float = 0.0, grad_clip: float = 1.0, temperature: float = 1.0,
                  autocast_bf16: bool = False, gradient_checkpointing: bool | str = False,
-                 optimizer_state_dtype: str = "float32"):
+                 optimizer_state_dtype: str = "float32", checkpoint_saves: Saves = "nothing"):
         """gradient_checkpointing "auto": on when the training floor (16 bytes per trainable parameter) is a large
-        share of the device's memory (relayrl.common.utils.checkpointing_on); the choice is `gradient_checkpointing`."""
+        share of the device's memory (relayrl.common.utils.checkpointing_on); the choice is `gradient_checkpointing`.
+        checkpoint_saves: what checkpointed layers keep for backward (relayrl.trainer.checkpointing)."""
         self.model = model
         self.device = model_device(model)
         avoid_cudnn_attention(self.device)
@@ -53,7 +55,8 @@ class TrainEngine:
         self.gradient_checkpointing = checkpointing_on(gradient_checkpointing, self.floor_bytes,
                                                        device_memory_bytes(self.device))
         if self.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=checkpoint_kwargs(model, checkpoint_saves))
         # shared-prompt rows attend without their dense mask where the model runs SDPA and that pays off on this
         # device (relayrl.models.segments; on a GPU SDPA's fused kernels with the dense mask are faster)
         self.segments = install_attention(model) and segments_pay_off(self.device)

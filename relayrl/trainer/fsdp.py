@@ -43,6 +43,7 @@ from relayrl.common.utils import checkpointing_on
 from relayrl.models.attention import install as install_attention
 from relayrl.models.attention import segments_pay_off
 from relayrl.trainer.algo import reduce_stats
+from relayrl.trainer.checkpointing import Saves, checkpoint_kwargs
 from relayrl.trainer.engine import LossFn, TrainEngine, decoder_inputs, head_logprobs
 from relayrl.trainer.packer import MicroBatch, balance_ranks
 
@@ -89,7 +90,7 @@ class FSDPEngine(TrainEngine):
     sharded = True  # relayrl.run.checkpoint: weights and optimizer state are saved per rank (checkpoint_dist)
 
     def __init__(self, model: torch.nn.Module, *, mixed_precision: bool = False,
-                 gradient_checkpointing: bool | str = False, **kwargs):
+                 gradient_checkpointing: bool | str = False, checkpoint_saves: Saves = "nothing", **kwargs):
         """Shard `model` (fully_shard per decoder layer, then the root) across the process group.
 
         mixed_precision: bf16 parameters in forward/backward, fp32 gradient reduction and fp32 master
@@ -106,8 +107,9 @@ class FSDPEngine(TrainEngine):
         gradient_checkpointing = checkpointing_on(gradient_checkpointing,
                                                   floor // (self.world_size if device.type == "cuda" else 1),
                                                   device_memory_bytes(device))
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable()  # before sharding, while the layers are plain modules
+        if gradient_checkpointing:  # before sharding, while the layers are plain modules
+            model.gradient_checkpointing_enable(**({} if checkpoint_saves == "nothing" else {
+                "gradient_checkpointing_kwargs": checkpoint_kwargs(model, checkpoint_saves)}))
         model.to(device)
         self.root = _shard(model, mixed_precision)
         super().__init__(model, **kwargs)  # TrainEngine moves micro-batches to self.device, returns logprobs on CPU
