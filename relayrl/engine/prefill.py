@@ -3,11 +3,11 @@
 Why: a prefill is a forward over a prompt's tokens, so one prompt at a time its matmuls have as many rows as the
 prompt has tokens (~50 in the README job), where a CPU's fp32 GEMM runs far below its rate. SmolLM2-135M on a
 2-core AVX2 EPYC (Zen 3): 287 ms for one 49-token prompt against 151 ms per prompt for 8 in one forward and 118
-for 16. An evaluation of 128 prompts spent ~37 s of its 43 in single prefills. Prompts that arrive together also
-share their start (the system prompt and chat-template tokens: 20 of the README job's 49), which is computed
-once, in the first prompt's slot, and copied to the others' slots. The last such start is kept (`SharedStart`, one
-entry, ~1 MB at 135M) for prompts admitted later, one or two at a time as running sequences finish; the engine
-clears it whenever its weights change.
+for 16. The README job's 128 evaluation prompts took 35 s to prefill one by one, 7 s now (bench/prefill.py).
+Prompts that arrive together also share their start (the system prompt and chat-template tokens: 20 of the README
+job's 49), which is computed once, in the first prompt's slot, and copied to the others' slots. The last such start
+is kept (`SharedStart`, one entry, ~1 MB at 135M) for prompts admitted later, one or two at a time as running
+sequences finish; the engine clears it whenever its weights change.
 
 Rows are right-padded to the longest in their forward. That needs no padding mask: a real query attends only to
 earlier positions, and the padding positions all come after its row's real tokens (their keys/values land in the
