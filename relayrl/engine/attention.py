@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from relayrl.common import cbuild
+from relayrl.common.device import model_device
 from relayrl.models.attention import install as install  # LocalEngine routes the model's attention here
 
 _SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
@@ -50,7 +51,7 @@ def kernel_supports(dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim:
 def why_not_kernel(model: torch.nn.Module, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str | None:
     """Why `model` cannot attend through the kernel in decode steps (None: it can, and its attention calls now come
     to relayrl's entry point)."""
-    device = next(model.parameters()).device
+    device = model_device(model)
     if device.type != "cpu":
         return f"the C kernel reads CPU memory and the model is on {device}"
     if not kernel_supports(dtype, heads, kv_heads, head_dim):

@@ -72,7 +72,7 @@ def prefill(model: torch.nn.Module, cache: SlotKVCache, rows: list[list[int]], s
     i = 0
     while i < len(order):
         width = len(rows[order[i]]) - start  # the longest row left sets this forward's width
-        take = order[i: i + max(1, token_budget // width if token_budget > 0 else 1)]
+        take = order[i: i + max(1, token_budget // width)]  # budget 0: one row per forward
         logits = _forward(model, cache, [rows[j] for j in take], [slots[j] for j in take], start)
         for j, row_logits in zip(take, logits):
             out[j] = row_logits

@@ -3,21 +3,11 @@ counted and set against this machine's matmul rate."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from bench_for_tests import run_bench
 
 
 def test_a_profiled_fit_is_grouped_and_its_matmuls_counted(tmp_path):
-    out = tmp_path / "profile.json"
-    proc = subprocess.run([sys.executable, "bench/fit_profile.py", "--quick", "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = run_bench("fit_profile.py", "--quick", out=tmp_path / "profile.json")
     assert "torch_cpu_capability" in r["machine"] and r["settings"]["trained_tokens"] > 0
     assert r["settings"]["autocast_bf16"] is False and r["fit_s"] > 0 and r["profiled_fit_s"] > 0
     assert {"matmul", "elementwise", "other"} <= set(r["self_s"])

@@ -3,21 +3,11 @@ batched side prefills fewer tokens (the prompts' shared chat-template start once
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from bench_for_tests import run_bench
 
 
 def test_prefill_bench_quick(tmp_path):
-    out = tmp_path / "prefill.json"
-    proc = subprocess.run([sys.executable, "bench/prefill.py", "--quick", "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = run_bench("prefill.py", "--quick", out=tmp_path / "prefill.json")
     assert r["machine"]["torch_cpu_capability"] and r["sides"] == [0, 2048]
     for workload, s in r["summary"].items():
         one, batched = s["prefill_tokens"]["0"], s["prefill_tokens"]["2048"]

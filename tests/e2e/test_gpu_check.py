@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench_for_tests import run_bench
 
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
@@ -49,12 +50,7 @@ def test_random_model_has_the_shape_and_tokenizer_and_generates(tiny_path, tmp_p
 def test_engine_step_parts_and_decode_profile_run_on_the_cpu(tiny_path, tmp_path):
     """The two probes that found the GPU's host-bound decode, on the tiny model: their parts add up and the
     profiles name real ops."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = tmp_path / "parts.json"
-    proc = subprocess.run([sys.executable, "bench/engine_step_parts.py", "--quick", "--profile", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = run_bench("engine_step_parts.py", "--quick", "--profile", out=tmp_path / "parts.json")
     steps = r["decode_steps"]
     assert steps == r["workload"]["max_new_tokens"] - 1  # the first token of each sample comes from its prefill
     assert r["parts_s"]["forward_decode"] <= r["parts_s"]["decode_step"] <= r["worker_busy_s"] <= r["wall_s"]
@@ -62,6 +58,7 @@ def test_engine_step_parts_and_decode_profile_run_on_the_cpu(tiny_path, tmp_path
     assert any(op["op"] in ("aten::mm", "aten::addmm") for op in r["profile"]["self_cpu_time_total"])
     assert r["profile"]["python_tottime"]
     cmd = [sys.executable, "bench/decode_profile.py", tiny_path, "cpu", "--batch", "4", "--context", "16"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "decode ms" in proc.stdout and "self_cpu_time_total" in proc.stdout
