@@ -125,6 +125,18 @@ def relayrl_curve(rows: list[dict]) -> tuple[list[dict], int, int]:
     return points, steps, samples
 
 
+STEP_KEYS = {"step_s": "time/step_s", "rollout_s": "time/rollout_s", "wait_s": "time/wait_for_batch_s",
+             "train_s": "time/train_s", "sync_s": "time/weight_sync_s", "len_mean": "rollout/response_len_mean",
+             "truncated": "rollout/truncated_frac", "reward": "rollout/reward_mean"}
+
+
+def relayrl_steps(rows: list[dict]) -> list[dict]:
+    """Each training step's seconds by phase and its response lengths: where a side's time went (a long tail of
+    response lengths shows as a high truncated fraction and a rollout far above the mean length's share)."""
+    return [{"step": r["step"], **{k: round(r[m], 4) for k, m in STEP_KEYS.items() if m in r}}
+            for r in rows if "time/step_s" in r]
+
+
 def child_env(a: argparse.Namespace) -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
             "OMP_NUM_THREADS": str(a.threads), "PYTHONWARNINGS": "ignore"}
@@ -155,7 +167,8 @@ def run_relayrl(side: str, a: argparse.Namespace, tmp: str) -> dict:
                 break
     if proc.returncode and not stopped:
         sys.exit(f"relayrl {side} failed (exit {proc.returncode}):\n{(Path(tmp) / f'{side}.log').read_text()[-4000:]}")
-    return {"curve": relayrl_curve(read_jsonl(metrics))[0], "process_s": time.perf_counter() - t0,
+    rows = read_jsonl(metrics)
+    return {"curve": relayrl_curve(rows)[0], "steps": relayrl_steps(rows), "process_s": time.perf_counter() - t0,
             "interrupted": stopped,  # stopped by the rule, not at run.steps
             "settings": {"scheduler": cfg.scheduler.mode, "max_staleness": cfg.scheduler.max_staleness,
                          "placement": cfg.scheduler.placement, "decoupled": cfg.algo.decoupled,

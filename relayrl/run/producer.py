@@ -61,6 +61,7 @@ class ProducerHandle:
         self._evals: deque[dict] = deque()
         self._ready = False  # the producer has built its engines and waits for `start`
         self._started = False
+        self._stop_sent = False
 
     # ---- messages ---------------------------------------------------------------------------------
     def _pump(self, timeout: float) -> None:
@@ -136,17 +137,28 @@ class ProducerHandle:
         return self._evals.popleft()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Ask the producer to finish, release the weight channel, join; kill it if it does not exit."""
-        if self.proc.is_alive():
-            self.from_trainer.put(("stop", None))
-        if isinstance(self.sender, DistSender):  # the receiver thread waits in a broadcast: end it
-            closer = threading.Thread(target=self.sender.close, daemon=True)
+        """Let the weights in flight arrive (the producer still applies them), ask the producer to finish, end the
+        weight channel, join; kill it if it does not exit."""
+        if isinstance(self.sender, DistSender):  # blocking calls, on a thread: a wedged producer costs `timeout`
+            closer = threading.Thread(target=self._close_dist, args=(self.sender,), daemon=True)
             closer.start()
             closer.join(timeout if self.proc.is_alive() else 1.0)
+        self._stop()
         self.proc.join(timeout)
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(5)
+
+    def _close_dist(self, sender: DistSender) -> None:
+        with contextlib.suppress(RuntimeError):  # a failed last send: the stop and the kill below still come
+            sender.wait()
+        self._stop()
+        sender.close()  # the receiver thread waits in a broadcast for the next version: this ends it
+
+    def _stop(self) -> None:
+        if self.proc.is_alive() and not self._stop_sent:
+            self._stop_sent = True
+            self.from_trainer.put(("stop", None))
 
 
 def producer_main(cfg_dict: dict, run_dir: str, transport: str, dist_address: str | None, build: Callable,
@@ -166,11 +178,11 @@ def producer_main(cfg_dict: dict, run_dir: str, transport: str, dist_address: st
     except BaseException:
         to_trainer.put(("error", traceback.format_exc()))
         raise
-    finally:
-        if c is not None:
-            c.close()
+    finally:  # the receiver first: a version still arriving is applied to engines that are still open
         if receiver is not None:
             receiver.close(timeout=5.0)
+        if c is not None:
+            c.close()
 
 
 def _receiver(c, transport: str, root: Path, dist_address: str | None):

@@ -4,8 +4,9 @@
 - disk: the trainer writes `ROOT/v{version}/model.safetensors` (to a temp folder, renamed when complete)
   and then the version number to `ROOT/LATEST` (atomically); the rollout side polls LATEST and loads. It
   works across processes and, on a shared file system, machines; inference servers can load the folder;
-- dist: a torch.distributed broadcast from the trainer (rank 0) to the rollout process (rank 1), gloo on
-  CPU (NCCL on GPUs), in the fixed order of the model's parameters.
+- dist: a torch.distributed broadcast from the trainer (rank 0) to the rollout process (rank 1) over gloo, from
+  host copies (two processes on one GPU cannot share an NCCL group), in the fixed order of the model's parameters,
+  sent on a thread while the trainer goes on.
 
 Senders are called by the trainer after each update; receivers run a thread on the rollout side and call
 `apply(named_tensors, version)` for each new version.
@@ -18,6 +19,7 @@ import shutil
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -101,20 +103,66 @@ class DiskReceiver:
 class DistSender:
     """Rank 0 of a 2-process group: broadcasts [version] then every tensor, in parameter order.
 
+    `send` copies the tensors into buffers kept for the run (pinned host memory when they live on a GPU; the copies
+    go on the current CUDA stream, so they see this step's update and not the next one's) and broadcasts from a
+    thread: the trainer's next step runs while the weights travel. On an H100 host the blocking broadcast of
+    SmolLM2-135M in fp32 cost 0.5-0.6 s of each ~1.8 s async step. One send is in flight at most, so versions
+    arrive in order; a failed send raises at the next `send` (or `wait`). The price is one host copy of the
+    weights in the wire dtype.
+
     The group is a private one (`relayrl.weights.weight_group.WeightGroup`), never torch.distributed's default group:
     a sender's last message must not land in another group created later in the same process."""
 
     def __init__(self, address: str, world: int = 2, dtype: torch.dtype = torch.float32):
         self.dtype = dtype
         self.group = _group(address, rank=0, world=world)
+        self._buffers: list[torch.Tensor] = []
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def send(self, named_tensors: Named, version: int) -> None:
-        self.group.broadcast([("version", torch.tensor([version], dtype=torch.long))])
-        self.group.broadcast((n, t.detach().to("cpu", self.dtype)) for n, t in named_tensors)
+        self.wait()  # the buffers are free again, and the previous version is out first
+        snapshot, ready = self._snapshot(named_tensors)
+        self._thread = threading.Thread(target=self._broadcast, args=(snapshot, version, ready),
+                                        name="relayrl-weights-send", daemon=True)
+        self._thread.start()
+
+    def _snapshot(self, named_tensors: Named) -> tuple[list[tuple[str, torch.Tensor]], Any]:
+        """Copy each tensor into its host buffer; returns the copies and a CUDA event marking them done (or None)."""
+        tensors = [(n, t.detach()) for n, t in named_tensors]
+        if [(b.shape, b.dtype) for b in self._buffers] != [(t.shape, self.dtype) for _, t in tensors]:
+            pin = any(t.is_cuda for _, t in tensors)
+            self._buffers = [torch.empty(t.shape, dtype=self.dtype, pin_memory=pin) for _, t in tensors]
+        for buf, (_, t) in zip(self._buffers, tensors, strict=True):
+            buf.copy_(t, non_blocking=t.is_cuda)
+        ready = None
+        if any(t.is_cuda for _, t in tensors):
+            ready = torch.cuda.Event()
+            ready.record()
+        return [(n, buf) for buf, (n, _) in zip(self._buffers, tensors, strict=True)], ready
+
+    def _broadcast(self, snapshot: list[tuple[str, torch.Tensor]], version: int, ready: Any) -> None:
+        try:
+            if ready is not None:
+                ready.synchronize()
+            self.group.broadcast([("version", torch.tensor([version], dtype=torch.long))])
+            self.group.broadcast(snapshot)
+        except BaseException as e:  # noqa: BLE001 - raised in the trainer's thread by the next send / wait
+            self._error = e
+
+    def wait(self) -> None:
+        """Block until the send in flight is out; raise if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"sending weights failed: {error}") from error
 
     def close(self) -> None:
-        """Tell the receivers to stop (if they are still there), then drop the connections."""
+        """Finish the send in flight, tell the receivers to stop (if they are still there), drop the connections."""
         try:
+            self.wait()
             self.group.broadcast([("stop", torch.tensor([-1], dtype=torch.long))])
         except RuntimeError:  # the receiver is gone already (its process ended): nothing left to tell
             pass

@@ -66,6 +66,11 @@ def test_quick_run_has_curves_for_all_three_sides_and_keeps_each_finished_side(t
         assert m["time_to_target_s"] is None and m["samples_to_target"] is None
         assert m["steps_trained"] == 2 and m["samples_trained"] == 8
     assert r["metrics"]["async"]["settings"]["decoupled"] is True
+    for side in ("sync", "async"):  # where each step's time went, summing to the curve's wall clock
+        steps = r["metrics"][side]["steps"]
+        assert [s["step"] for s in steps] == [1, 2] and all(s["train_s"] > 0 and s["len_mean"] > 0 for s in steps)
+        assert sum(s["step_s"] for s in steps) == pytest.approx(r["metrics"][side]["curve"][-1]["wall_s_excl_eval"],
+                                                                 abs=1e-3)
     assert r["metrics"]["async"]["settings"]["scheduler"] == "async"
     assert r["metrics"]["trl"]["optimizer_steps"] == 2
     for name in ("async_vs_sync", "relayrl_vs_trl"):

@@ -80,3 +80,40 @@ def test_a_cuda_trainer_sends_shared_prompt_rows_through_sdpa(tiny_path):
     from relayrl.trainer.engine import TrainEngine
 
     assert not TrainEngine.from_pretrained(tiny_path, device="cuda").segments
+
+
+def _receive_two_versions(address, out):
+    from relayrl.weights.transport import DistReceiver
+
+    got = []
+    r = DistReceiver(address, [("w", torch.zeros(1024, 1024))],
+                     lambda ts, v: got.append((v, [float(t.sum()) for _, t in ts])))
+    r.close(timeout=60)
+    out.put(got)
+
+
+def test_dist_transport_sends_cuda_weights_from_a_snapshot_taken_in_stream_order():
+    """The trainer's tensors live on the GPU: send() copies them to pinned buffers on the current stream and
+    returns; the next step's in-place update, queued after, must not reach the receiver."""
+    import multiprocessing as mp
+    import socket
+
+    from relayrl.weights.transport import DistSender
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_receive_two_versions, args=(address, out))
+    proc.start()
+    sender = DistSender(address)
+    w = torch.ones(1024, 1024, device="cuda")
+    for v in (1, 2):
+        sender.send([("w", w)], v)
+        w.mul_(3.0)  # the next optimizer step, on the same stream
+    sender.close()
+    got = out.get(timeout=60)
+    proc.join(30)
+    assert proc.exitcode == 0
+    assert got == [(1, [1024.0 * 1024]), (2, [3.0 * 1024 * 1024])]

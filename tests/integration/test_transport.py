@@ -61,3 +61,50 @@ def test_dist_broadcast_between_processes():
     assert proc.exitcode == 0
     assert [v for v, _ in got] == [1, 2]
     assert torch.equal(torch.tensor(got[1][1][0]), named(2)[0][1])
+
+
+BIG = (2048, 2048)  # 16 MB in fp32: far more than a loopback socket buffers, so a blocking send would wait
+
+
+def _big(seed: int) -> list[tuple[str, torch.Tensor]]:
+    return [("w", torch.full(BIG, float(seed))), ("b", torch.arange(4.0) + seed)]
+
+
+def _receive_slowly(address, out):
+    """Applies version 1 for 2 s: version 2 cannot travel before that."""
+    got = []
+
+    def apply(ts, v):
+        got.append((v, [(t[0, 0].item() if t.dim() == 2 else t.tolist(), tuple(t.shape)) for _, t in ts]))
+        if v == 1:
+            time.sleep(2.0)
+
+    r = DistReceiver(address, _big(0), apply)
+    r.close(timeout=60)
+    out.put(got)
+
+
+def test_dist_send_returns_before_the_weights_travel_and_sends_what_it_was_given():
+    """The trainer's next step overlaps the transfer: send() returns while the receiver still holds up the
+    broadcast, and the tensors changed in place right after (the next optimizer step) are not what arrives."""
+    address = f"127.0.0.1:{_free_port()}"
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_receive_slowly, args=(address, out))
+    proc.start()
+    sender = DistSender(address)
+    weights = _big(1)
+    sender.send(weights, 1)
+    for _, t in weights:  # "the next step" updates the same tensors in place
+        t.copy_(torch.full_like(t, 2.0) if t.dim() == 2 else torch.arange(4.0) + 2)
+    t0 = time.perf_counter()
+    sender.send(weights, 2)  # waits for version 1 to be out (not applied), then returns at once
+    returned_s = time.perf_counter() - t0
+    for _, t in weights:
+        t.fill_(-1.0)
+    sender.close()
+    got = out.get(timeout=60)
+    proc.join(30)
+    assert proc.exitcode == 0
+    assert returned_s < 1.0, f"send blocked {returned_s:.2f} s while the receiver was busy"
+    assert got == [(1, [(1.0, BIG), ([1.0, 2.0, 3.0, 4.0], (4,))]), (2, [(2.0, BIG), ([2.0, 3.0, 4.0, 5.0], (4,))])]
