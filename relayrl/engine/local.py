@@ -52,9 +52,8 @@ from relayrl.engine.kv_cache import SlotKVCache
 from relayrl.engine.prefill import SharedStart, prefill
 from relayrl.engine.sampling import sample_tokens
 from relayrl.engine.sequence import Seq, resolve
+from relayrl.engine.weights import EngineWeights
 from relayrl.models import eos_token_ids, load_model, load_tokenizer
-from relayrl.trainer.lora import is_adapter_name, merge_into
-from relayrl.trainer.optim import round_to_bf16_
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +68,6 @@ class LocalEngine:
                  cuda_graphs: bool = True, linear: str = "auto", prefill_tokens: int = 2048):
         if kv_on_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_update must be 'recompute' or 'keep', got {kv_on_update!r}")
-        if weight_rounding not in ("stochastic", "nearest"):
-            raise ValueError(f"weight_rounding must be 'stochastic' or 'nearest', got {weight_rounding!r}")
         if attention not in ("auto", "kernel", "sdpa"):
             raise ValueError(f"attention must be 'auto', 'kernel' or 'sdpa', got {attention!r}")
         if linear not in ("auto", "onednn", "default"):
@@ -91,13 +88,8 @@ class LocalEngine:
         self.cache = SlotKVCache(cfg.num_hidden_layers, kv_heads, head_dim, next(model.parameters()).dtype,
                                  slots=1, length=64, device=self.device)
         self.kv_cache_bytes = kv_cache_bytes
-        self._params = dict(model.named_parameters())
-        self._state = model.state_dict(keep_vars=True)  # also holds tied aliases (lm_head.weight)
-        self._lora_base: dict[str, torch.Tensor] = {}  # adapted weights before their first LoRA merge
-        self._released: dict[int, tuple] = {}  # id -> (parameter, shape) of weights emptied by release_memory
-        # False when the model is the trainer's own (colocated sync RL in the trainer's dtype): never released
-        self.owns_weights = owns_weights
-        self.seed, self.weight_rounding = seed, weight_rounding
+        self.weights = EngineWeights(model, seed=seed, rounding=weight_rounding, owned=owns_weights)
+        self.seed = seed
         self._generator = torch.Generator().manual_seed(seed)  # a CPU generator on any device (sampling.py)
         self._sample_work = torch.empty(0, device=self.device)  # sampling's float32 scratch, grown as needed
         self.max_tokens_in_flight, self.kv_on_update = max_tokens_in_flight, kv_on_update
@@ -134,6 +126,11 @@ class LocalEngine:
 
     # ---- public API ---------------------------------------------------------------------------
     @property
+    def owns_weights(self) -> bool:
+        """False when the model is the trainer's own (colocated sync RL in the trainer's dtype): never released."""
+        return self.weights.owned
+
+    @property
     def version(self) -> int:
         return self._version
 
@@ -169,45 +166,16 @@ class LocalEngine:
         return [f.result() for f in futures]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy new weights in place between two decode steps and stamp later tokens with `version`.
-
-        LoRA adapter tensors (named `*.lora_A|lora_B|lora_scaling`) are merged into the base weights of their
-        layers instead; full weights sent for a layer become its new base.
-        """
-        with self._step_lock, torch.no_grad():
-            adapters, written = {}, set()
-            released, self._released = self._released, {}
-            for p, shape in released.values():  # weights given back by release_memory come back here
-                p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
-            for name, tensor in named_tensors:
-                if is_adapter_name(name):
-                    adapters[name] = tensor
-                    continue
-                if name not in self._state:
-                    raise KeyError(f"engine model has no parameter {name!r}")
-                dst = self._state[name]
-                if dst.data_ptr() != tensor.data_ptr():  # an engine sharing the trainer's weights has them already
-                    self._copy_weight(dst, tensor, (version * 1_000_003 + len(written)) * 7919 + self.seed)
-                written.add(id(dst))
-                self._lora_base.pop(name, None)
-            if missing := [n for n, t in self._params.items() if id(t) in released and id(t) not in written]:
-                raise ValueError(f"the engine's weights were released and this update lacks {missing[:3]} "
-                                 f"({len(missing)} tensors): send every weight after release_memory(weights=True)")
-            merge_into(self._state, adapters, self._lora_base)
+        """Copy new weights in place between two decode steps and stamp later tokens with `version`
+        (relayrl.engine.weights: LoRA adapters merged, fp32 into bf16 rounded stochastically)."""
+        with self._step_lock:
+            self.weights.write(named_tensors, version)
             self._version = version
             self._parked.clear()  # parked KV was computed by the old weights
             self._start.clear()
             if self.kv_on_update == "recompute":
                 for seq in self._active:
                     seq.refill = True
-
-    def _copy_weight(self, dst: torch.Tensor, src: torch.Tensor, seed: int) -> None:
-        """dst <- src; fp32 into a bf16 engine rounds stochastically unless weight_rounding="nearest" (why:
-        relayrl.trainer.optim.round_to_bf16_). The seed is a function of (engine seed, version, tensor)."""
-        if self.weight_rounding == "stochastic" and dst.dtype == torch.bfloat16 and src.dtype == torch.float32:
-            round_to_bf16_(dst, src.detach(), seed)
-        else:
-            dst.copy_(src)
 
     def load_weights_from_disk(self, path: str, version: int) -> None:
         """Load every *.safetensors file of a folder (e.g. a saved HF model) as new weights."""
@@ -248,12 +216,8 @@ class LocalEngine:
             if self._active or self._waiting:  # someone still generates: keep what their requests use
                 return 0
             freed = self.cache.release()
-            if weights and self.owns_weights:
-                for p in self._params.values():
-                    if id(p) not in self._released:
-                        self._released[id(p)] = (p, p.shape)
-                        freed += p.numel() * p.element_size()
-                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            if weights and (weights_freed := self.weights.release()):
+                freed += weights_freed
                 if self._static is not None:
                     self._static.reset()  # recorded graphs read this storage; update_weights allocates anew
             return freed
