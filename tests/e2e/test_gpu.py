@@ -95,25 +95,12 @@ def _receive_two_versions(address, out):
 def test_dist_transport_sends_cuda_weights_from_a_snapshot_taken_in_stream_order():
     """The trainer's tensors live on the GPU: send() copies them to pinned buffers on the current stream and
     returns; the next step's in-place update, queued after, must not reach the receiver."""
-    import multiprocessing as mp
-    import socket
+    from transport_for_tests import run_dist_pair
 
-    from relayrl.weights.transport import DistSender
+    def send(sender):
+        w = torch.ones(1024, 1024, device="cuda")
+        for v in (1, 2):
+            sender.send([("w", w)], v)
+            w.mul_(3.0)  # the next optimizer step, on the same stream
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_receive_two_versions, args=(address, out))
-    proc.start()
-    sender = DistSender(address)
-    w = torch.ones(1024, 1024, device="cuda")
-    for v in (1, 2):
-        sender.send([("w", w)], v)
-        w.mul_(3.0)  # the next optimizer step, on the same stream
-    sender.close()
-    got = out.get(timeout=60)
-    proc.join(30)
-    assert proc.exitcode == 0
-    assert got == [(1, [1024.0 * 1024]), (2, [3.0 * 1024 * 1024])]
+    assert run_dist_pair(_receive_two_versions, send) == [(1, [1024.0 * 1024]), (2, [3.0 * 1024 * 1024])]

@@ -1,12 +1,11 @@
 """Weight transports between real processes: safetensors on disk, and a gloo broadcast."""
 
-import multiprocessing as mp
-import socket
 import time
 
 import torch
+from transport_for_tests import run_dist_pair
 
-from relayrl.weights.transport import DiskReceiver, DiskSender, DistReceiver, DistSender
+from relayrl.weights.transport import DiskReceiver, DiskSender, DistReceiver
 
 
 def named(seed: int):
@@ -33,12 +32,6 @@ def test_disk_transport_versions_atomic_and_rotated(tmp_path):
         receiver.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _receive(address, out):
     got = []
     r = DistReceiver(address, named(0), lambda ts, v: got.append((v, [t.clone() for _, t in ts])))
@@ -47,18 +40,11 @@ def _receive(address, out):
 
 
 def test_dist_broadcast_between_processes():
-    address = f"127.0.0.1:{_free_port()}"
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_receive, args=(address, out))
-    proc.start()
-    sender = DistSender(address)
-    for v in (1, 2):
-        sender.send(named(v), v)
-    sender.close()
-    got = out.get(timeout=60)
-    proc.join(30)
-    assert proc.exitcode == 0
+    def send(sender):
+        for v in (1, 2):
+            sender.send(named(v), v)
+
+    got = run_dist_pair(_receive, send)
     assert [v for v, _ in got] == [1, 2]
     assert torch.equal(torch.tensor(got[1][1][0]), named(2)[0][1])
 
@@ -87,24 +73,19 @@ def _receive_slowly(address, out):
 def test_dist_send_returns_before_the_weights_travel_and_sends_what_it_was_given():
     """The trainer's next step overlaps the transfer: send() returns while the receiver still holds up the
     broadcast, and the tensors changed in place right after (the next optimizer step) are not what arrives."""
-    address = f"127.0.0.1:{_free_port()}"
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_receive_slowly, args=(address, out))
-    proc.start()
-    sender = DistSender(address)
-    weights = _big(1)
-    sender.send(weights, 1)
-    for _, t in weights:  # "the next step" updates the same tensors in place
-        t.copy_(torch.full_like(t, 2.0) if t.dim() == 2 else torch.arange(4.0) + 2)
-    t0 = time.perf_counter()
-    sender.send(weights, 2)  # waits for version 1 to be out (not applied), then returns at once
-    returned_s = time.perf_counter() - t0
-    for _, t in weights:
-        t.fill_(-1.0)
-    sender.close()
-    got = out.get(timeout=60)
-    proc.join(30)
-    assert proc.exitcode == 0
-    assert returned_s < 1.0, f"send blocked {returned_s:.2f} s while the receiver was busy"
+    returned_s = []
+
+    def send(sender):
+        weights = _big(1)
+        sender.send(weights, 1)
+        for _, t in weights:  # "the next step" updates the same tensors in place
+            t.copy_(torch.full_like(t, 2.0) if t.dim() == 2 else torch.arange(4.0) + 2)
+        t0 = time.perf_counter()
+        sender.send(weights, 2)  # waits for version 1 to be out (not applied), then returns at once
+        returned_s.append(time.perf_counter() - t0)
+        for _, t in weights:
+            t.fill_(-1.0)
+
+    got = run_dist_pair(_receive_slowly, send)
+    assert returned_s[0] < 1.0, f"send blocked {returned_s[0]:.2f} s while the receiver was busy"
     assert got == [(1, [(1.0, BIG), ([1.0, 2.0, 3.0, 4.0], (4,))]), (2, [(2.0, BIG), ([2.0, 3.0, 4.0, 5.0], (4,))])]
