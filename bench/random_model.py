@@ -18,6 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
+RANDOM_MARK = "RANDOM_WEIGHTS"  # a file in the folder: says what the weights are to people and scripts
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "generation_config.json")
 
@@ -53,6 +54,7 @@ def build(shape: str, tokenizer: Path, out: Path, seed: int = 0) -> Path:
         for name in TOKENIZER_FILES:
             if (tokenizer / name).is_file():
                 shutil.copy2(tokenizer / name, tmp / name)
+        (tmp / RANDOM_MARK).write_text("random-init weights: they never learn (scripts/gpu_check.sh skips learning)\n")
 
     return atomic_build(out, write)
 

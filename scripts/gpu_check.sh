@@ -3,8 +3,8 @@
 # sync, a colocated run, all on the tiny random model), the rollout and train-step benches on the GPU, a short
 # GSM8K GRPO run through the CLI on the GPU and the decode-step probes (bench/engine_step_parts.py with the engine's
 # CUDA graphs and without, bench/decode_profile.py with and without SDPA's cuDNN backend; the rollout bench has a
-# graph-less LocalEngine side too), writing bench/results/gpu_*. Without CUDA it
-# says so and exits 0, running nothing.
+# graph-less LocalEngine side too) and, with real weights, time to accuracy sync vs async, writing
+# bench/results/gpu_*. Without CUDA it says so and exits 0, running nothing.
 # Nothing is downloaded: the tests build the tiny random model; the benches and the run use MODEL (default the
 # SmolLM2 folder scripts/setup.sh prepared; on a machine the weights can't reach, a folder of SmolLM2's shape and
 # tokenizer with random weights: bench/random_model.py); GSM8K comes from disk ($RELAYRL_GSM8K_DIR or the default).
@@ -63,5 +63,18 @@ step train_step 300 "$PY" bench/train_step.py --device cuda --model "$MODEL" --o
 step grpo_run 300 "$PY" -m relayrl train --config examples/gsm8k_grpo.yaml model.path="$MODEL" run.device=cuda \
     run.steps=4 eval.at_start=false eval.at_end=false run.output_dir="$run_dir" run.tensorboard=false
 [ -f "$run_dir"/gsm8k_grpo/metrics.jsonl ] && cp "$run_dir"/gsm8k_grpo/metrics.jsonl bench/results/gpu_grpo_run.jsonl
+# time to 60% held-out pass@1, sync vs async in a separate process, answers capped at 512 tokens (a long tail): only
+# with real weights (a random model never learns) and reasoning-gym (the example's data); ~4 minutes on an H100;
+# TTA=0 skips it
+model_dir=$("$PY" -c 'import sys; from relayrl.models import resolve_model_path as r
+print(r(sys.argv[1], prepare=False))' "$MODEL")
+if [ "${TTA:-1}" = 1 ] && [ ! -f "$model_dir/RANDOM_WEIGHTS" ] && "$PY" -c 'import reasoning_gym' 2>/dev/null; then
+    step time_to_accuracy 420 "$PY" bench/time_to_accuracy.py --model "$MODEL" --sides sync,async --separate \
+        --staleness 2 --eval-every 5 --budget-min 1.5 --max-steps 40 --out bench/results/gpu_time_to_accuracy.json \
+        --plot bench/results/gpu_time_to_accuracy.png --override run.device=cuda sampling.max_new_tokens=512 \
+        engine.max_batch_size=256 scheduler.transport=dist
+else
+    echo "gpu_check: time_to_accuracy skipped (needs real weights, not bench/random_model.py's, and reasoning-gym)"
+fi
 if [ ${#failed[@]} -gt 0 ]; then echo "gpu_check: FAILED: ${failed[*]}"; exit 1; fi
 echo "gpu_check: all passed; results in bench/results/gpu_*"

@@ -37,6 +37,7 @@ def test_random_model_has_the_shape_and_tokenizer_and_generates(tiny_path, tmp_p
     config = json.loads((out / "config.json").read_text())
     assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (64, 2, 2048)
     assert (out / "tokenizer.json").read_bytes() == (Path(tiny_path) / "tokenizer.json").read_bytes()
+    assert (out / "RANDOM_WEIGHTS").is_file()  # what scripts/gpu_check.sh reads to skip its learning run
     eng = LocalEngine.from_pretrained(str(out), dtype="float32", max_batch_size=2)
     try:
         [res] = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
