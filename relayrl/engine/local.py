@@ -89,7 +89,6 @@ class LocalEngine:
                                  slots=1, length=64, device=self.device)
         self.kv_cache_bytes = kv_cache_bytes
         self.weights = EngineWeights(model, seed=seed, rounding=weight_rounding, owned=owns_weights)
-        self.seed = seed
         self._generator = torch.Generator().manual_seed(seed)  # a CPU generator on any device (sampling.py)
         self._sample_work = torch.empty(0, device=self.device)  # sampling's float32 scratch, grown as needed
         self.max_tokens_in_flight, self.kv_on_update = max_tokens_in_flight, kv_on_update

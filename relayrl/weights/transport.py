@@ -130,13 +130,13 @@ class DistSender:
     def _snapshot(self, named_tensors: Named) -> tuple[list[tuple[str, torch.Tensor]], Any]:
         """Copy each tensor into its host buffer; returns the copies and a CUDA event marking them done (or None)."""
         tensors = [(n, t.detach()) for n, t in named_tensors]
+        on_gpu = any(t.is_cuda for _, t in tensors)
         if [(b.shape, b.dtype) for b in self._buffers] != [(t.shape, self.dtype) for _, t in tensors]:
-            pin = any(t.is_cuda for _, t in tensors)
-            self._buffers = [torch.empty(t.shape, dtype=self.dtype, pin_memory=pin) for _, t in tensors]
+            self._buffers = [torch.empty(t.shape, dtype=self.dtype, pin_memory=on_gpu) for _, t in tensors]
         for buf, (_, t) in zip(self._buffers, tensors, strict=True):
             buf.copy_(t, non_blocking=t.is_cuda)
         ready = None
-        if any(t.is_cuda for _, t in tensors):
+        if on_gpu:
             ready = torch.cuda.Event()
             ready.record()
         return [(n, buf) for buf, (n, _) in zip(self._buffers, tensors, strict=True)], ready
