@@ -15,9 +15,11 @@ weight sync). Sides run one after another, each in its own subprocess.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of every side")
     p.add_argument("--trl-micro-batch", type=int, default=8, help="TRL per_device_train_batch_size")
+    p.add_argument("--close-timeout", type=float, default=120.0,
+                   help="seconds a stopped relayrl side may take to exit; past it every process of the side dumps "
+                        "its threads' stacks into the side's log and is killed")
+    p.add_argument("--logs", help="folder to copy each side's log into (default: the logs go with the temp folder)")
     p.add_argument("--override", nargs="*", default=[], help="extra key=value config overrides for every side")
     p.add_argument("--out", help="result JSON (default bench/results/time_to_accuracy.json; --quick: a temp file)")
     p.add_argument("--plot", help="plot PNG (default docs/img/time_to_accuracy.png; --quick: a temp file)")
@@ -139,7 +145,7 @@ def relayrl_steps(rows: list[dict]) -> list[dict]:
 
 def child_env(a: argparse.Namespace) -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-            "OMP_NUM_THREADS": str(a.threads), "PYTHONWARNINGS": "ignore"}
+            "OMP_NUM_THREADS": str(a.threads), "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
 
 
 def run_relayrl(side: str, a: argparse.Namespace, tmp: str) -> dict:
@@ -148,7 +154,7 @@ def run_relayrl(side: str, a: argparse.Namespace, tmp: str) -> dict:
     over = [*shared_overrides(a), *side_overrides(side, a), f"run.output_dir={tmp}", f"run.name={side}"]
     cfg = resolve_precision(load_run_config(a.config, over), quiet=True)  # a bad override fails here, named
     metrics = Path(tmp) / side / "metrics.jsonl"
-    should_stop, stopped = stop_rule(a), False
+    should_stop, stopped, close = stop_rule(a), False, None
     t0 = time.perf_counter()
     with open(Path(tmp) / f"{side}.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "relayrl.cli", "train", "--config", a.config, *over],
@@ -158,22 +164,58 @@ def run_relayrl(side: str, a: argparse.Namespace, tmp: str) -> dict:
             points = relayrl_curve(read_jsonl(metrics))[0] if metrics.is_file() else []
             if should_stop(points):
                 stopped = True
-                proc.send_signal(signal.SIGTERM)  # SIGINT: ignored when this runs as a background job
-                try:
-                    proc.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                close = stop_side(proc, a.close_timeout)
                 break
+    if a.logs:
+        Path(a.logs).mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(tmp) / f"{side}.log", Path(a.logs) / f"{side}.log")
     if proc.returncode and not stopped:
         sys.exit(f"relayrl {side} failed (exit {proc.returncode}):\n{(Path(tmp) / f'{side}.log').read_text()[-4000:]}")
     rows = read_jsonl(metrics)
     return {"curve": relayrl_curve(rows)[0], "steps": relayrl_steps(rows), "process_s": time.perf_counter() - t0,
             "interrupted": stopped,  # stopped by the rule, not at run.steps
+            "close": close,  # SIGTERM to exit: the run's shutdown (engines, producer, weight channel)
             "settings": {"scheduler": cfg.scheduler.mode, "max_staleness": cfg.scheduler.max_staleness,
                          "placement": cfg.scheduler.placement, "decoupled": cfg.algo.decoupled,
                          "gradient_checkpointing": cfg.model.gradient_checkpointing, "engine_dtype": cfg.engine.dtype,
                          "autocast_bf16": cfg.model.autocast_bf16}}
+
+
+def stop_side(proc: subprocess.Popen, timeout: float, dump_s: float = 3.0) -> dict:
+    """SIGTERM a relayrl side and time its exit. One that outlives `timeout` is a shutdown bug to find, not just
+    to kill: each of its processes first gets SIGABRT, which faulthandler (PYTHONFAULTHANDLER, set in child_env)
+    turns into every thread's stack in the side's log."""
+    t0 = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)  # SIGINT: ignored when this runs as a background job
+    try:
+        proc.wait(timeout=timeout)
+        return {"seconds": round(time.perf_counter() - t0, 2), "killed": False}
+    except subprocess.TimeoutExpired:
+        tree = _descendants(proc.pid)
+        for pid in [proc.pid, *tree]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+        time.sleep(dump_s)  # for the dumps to be written
+        for pid in [proc.pid, *tree]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+        return {"seconds": round(time.perf_counter() - t0, 2), "killed": True, "processes": 1 + len(tree)}
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc: the producer, its judge workers, compiler children)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def run_trl_child(a: argparse.Namespace, tmp: str) -> dict:

@@ -90,9 +90,33 @@ def test_quick_run_stops_each_side_at_the_target(tmp_path):
         assert m["stopped_by"] == "target" and m["reached_target"] is True
         assert len(m["curve"]) == 1 and m["steps_trained"] == 0 and m["time_to_target_s"] == 0
     assert r["metrics"]["sync"]["interrupted"] is True  # 500 steps asked: the run was stopped, not finished
+    close = r["metrics"]["sync"]["close"]  # SIGTERM to exit, timed: the run shut down by itself
+    assert close["killed"] is False and 0 < close["seconds"] < 60
     assert r["metrics"]["trl"]["optimizer_steps"] == 0
     assert r["ratios"]["relayrl_vs_trl_time_to_acc_kind"] == "undetermined"  # both at the target before training
 
+
+def test_a_side_stuck_in_shutdown_dumps_every_process_stack_then_is_killed(tmp_path):
+    """The stuck process and its child both ignore SIGTERM; both stacks land in the log, neither survives."""
+    code = ("import signal, subprocess, sys, time\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "child = 'import signal, time\\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
+            "def child_waits():\\n    time.sleep(60)\\nchild_waits()'\n"
+            "subprocess.Popen([sys.executable, '-c', child])\n"
+            "def parent_waits():\n    time.sleep(60)\n"
+            "print('ready', flush=True)\nparent_waits()\n")
+    log = tmp_path / "side.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+        time.sleep(1.0)
+        tree = tta._descendants(proc.pid)
+        close = tta.stop_side(proc, timeout=0.5, dump_s=1.0)
+    assert close["killed"] is True and close["processes"] == 2 and len(tree) == 1
+    text = log.read_text()
+    assert "parent_waits" in text and "child_waits" in text, text
+    time.sleep(0.2)
+    assert not Path(f"/proc/{tree[0]}").exists() or "Z" in Path(f"/proc/{tree[0]}/stat").read_text().split()[2]
 
 
 def side(time_s: float | None, total_s: float, samples: int | None = None, trained: int = 64) -> dict:
