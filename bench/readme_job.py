@@ -75,7 +75,10 @@ def run(a, tmp: str) -> dict:
             "step_s_median": sorted(r["time/step_s"] for r in steps)[len(steps) // 2],
             "rollout_s_median": sorted(r["time/rollout_s"] for r in steps)[len(steps) // 2],
             "train_s_median": sorted(r["time/train_s"] for r in steps)[len(steps) // 2],
-            "eval": [{"step": r["step"], "pass@1": r["eval/pass@1"]} for r in evals],
+            "eval": [{"step": r["step"], "pass@1": r["eval/pass@1"], "seconds": round(r.get("time/eval_s", 0.0), 1)}
+                     for r in evals],
+            "len_mean_by_step": [round(r.get("rollout/response_len_mean", 0.0), 1) for r in steps],
+            "truncated_frac_by_step": [round(r.get("rollout/truncated_frac", 0.0), 3) for r in steps],
             "train_s_by_step": [round(r["time/train_s"], 2) for r in steps],
             "rollout_s_by_step": [round(r["time/rollout_s"], 2) for r in steps],
             # samples whose advantages were all 0, left out of the forward/backward (TrainController._contributing)

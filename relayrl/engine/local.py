@@ -104,8 +104,8 @@ class LocalEngine:
         self._closed = False
         self._version = 0
         self._thread: threading.Thread | None = None
-        self.stats = {"generated_tokens": 0, "prefill_tokens": 0, "prefills": 0, "steps": 0, "busy_s": 0.0,
-                      "reused_tokens": 0, "aborted": 0}
+        self.stats = {"generated_tokens": 0, "prefill_tokens": 0, "prefills": 0, "steps": 0, "decode_rows": 0,
+                      "busy_s": 0.0, "reused_tokens": 0, "aborted": 0}
         self._static: StaticDecode | None = None
         if attention != "sdpa":
             self._use_kernel(attention == "kernel", cfg.num_attention_heads, kv_heads, head_dim)
@@ -449,6 +449,7 @@ class LocalEngine:
         for s in seqs:
             s.kv_len += 1
         self.stats["steps"] += 1
+        self.stats["decode_rows"] += len(seqs)
         self._sample_and_append(seqs, logits)
         self._retire_finished()
 

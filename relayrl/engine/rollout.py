@@ -22,6 +22,8 @@ import torch
 
 from relayrl.engine.base import GenOutput, InferenceEngine, SamplingParams
 
+# LocalEngine.stats that are running totals, read by RolloutController.engine_counters
+ENGINE_COUNTERS = ("generated_tokens", "prefill_tokens", "steps", "decode_rows", "busy_s")
 _STICKY_MAX = 100_000  # trajectories remembered; the oldest are forgotten first
 
 
@@ -105,6 +107,18 @@ class RolloutController:
             e.resume()
         self.stats["weight_updates"] += 1
         self.stats["weight_update_s"] += time.perf_counter() - t0
+
+    def engine_counters(self) -> dict[str, float]:
+        """The engines' running totals, summed (`ENGINE_COUNTERS` of each engine that keeps them: the embedded
+        LocalEngine does, remote servers do not): the loops turn the difference between two readings into a
+        step's `engine/*` metrics."""
+        totals = dict.fromkeys(ENGINE_COUNTERS, 0.0)
+        for engine in self.engines:
+            stats = getattr(engine, "stats", {})
+            if "steps" in stats:
+                for key in ENGINE_COUNTERS:
+                    totals[key] += float(stats.get(key, 0))
+        return totals
 
     def release_memory(self, weights: bool = True) -> int:
         """Ask in-process engines to give back their KV cache (and weights) while the trainer runs beside them;

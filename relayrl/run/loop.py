@@ -30,11 +30,12 @@ def train_colocated(c: Components) -> dict[str, float]:
     cfg = c.cfg
     last_eval = _evaluate(c, 0) if cfg.eval.at_start and c.step == 0 else {}
     for step in (bar := _steps(c)):
-        t0 = time.perf_counter()
+        t0, counters = time.perf_counter(), c.rollouts.engine_counters()
         batch, metrics = c.rollouts.next_batch(c.train_ctl.version)
         if c.trajectories is not None:
             c.trajectories.log(batch, step)
-        metrics |= rollout_metrics(batch)
+        metrics |= rollout_metrics(batch) | engine_metrics(counters, c.rollouts.engine_counters(),
+                                                           metrics.get("time/rollout_s"))
         c.rollouts.release_memory()
         metrics |= c.train_ctl.fit(batch)
         trim_memory()  # the step's activations are free: give their pages back before the engine's weights return
@@ -88,7 +89,7 @@ def train_async(c: Components) -> dict[str, float]:
     c.rollouts.start()
     try:
         for step in (bar := _steps(c)):
-            t0 = time.perf_counter()
+            t0, counters = time.perf_counter(), c.rollouts.engine_counters()
             batch, metrics = c.rollouts.next_batch(c.train_ctl.version)
             if c.trajectories is not None:
                 c.trajectories.log(batch, step)
@@ -97,6 +98,7 @@ def train_async(c: Components) -> dict[str, float]:
             metrics["time/weight_sync_s"] = relay_weights(c)
             metrics["time/rollout_s"] = metrics["time/wait_for_batch_s"]
             metrics |= _perf(c, metrics, time.perf_counter() - t0)
+            metrics |= engine_metrics(counters, c.rollouts.engine_counters(), metrics["time/step_s"])
             _log(c, step, metrics, bar, batch)
             if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.run.steps:
                 last_eval = _evaluate(c, step)
@@ -111,6 +113,23 @@ def relay_weights(c: Components) -> float:
     t0 = time.perf_counter()
     c.rollouts.push_weights(c.train_ctl)
     return time.perf_counter() - t0
+
+
+def engine_metrics(before: dict[str, float], after: dict[str, float], span_s: float | None = None
+                   ) -> dict[str, float]:
+    """What the engines did between two readings of their counters: decode steps, rows per decode step (how
+    full their batches ran: on a GPU a decode step costs about the same for 64 rows as for 1), busy milliseconds
+    per decode step (prefills included), prompt tokens prefilled, and with `span_s` the share of that span the
+    engines were busy (summed over engines). An async producer that idles (held by the staleness bound) or runs
+    thin batches shows here, not in the trainer's wait. Empty for engines without counters (remote servers)."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    if not d.get("steps"):
+        return {}
+    out = {"engine/decode_steps": d["steps"], "engine/rows_per_step": d["decode_rows"] / d["steps"],
+           "engine/busy_ms_per_step": 1000.0 * d["busy_s"] / d["steps"], "engine/prefill_tokens": d["prefill_tokens"]}
+    if span_s:
+        out["engine/busy_frac"] = d["busy_s"] / span_s
+    return out
 
 
 def staleness_metrics(batch: list[Sample], version: int) -> dict[str, float]:

@@ -58,6 +58,7 @@ class ProducerHandle:
         self.sender: DiskSender | DistSender | None = None  # made at the first send: a DistSender's rendezvous
         # waits for the producer's receiver, which exists only once the producer has built its engines
         self._groups: deque[list[Sample]] = deque()
+        self._counters: dict[str, float] = {}  # the producer's engine totals, as of its last group
         self._evals: deque[dict] = deque()
         self._ready = False  # the producer has built its engines and waits for `start`
         self._started = False
@@ -75,7 +76,8 @@ class ProducerHandle:
         if kind == "ready":
             self._ready = True
         elif kind == "group":
-            self._groups.append(payload)
+            group, self._counters = payload
+            self._groups.append(group)
         elif kind == "eval":
             self._evals.append(payload)
         elif kind == "error":
@@ -103,6 +105,9 @@ class ProducerHandle:
 
     def release_memory(self) -> int:
         return 0  # the engines live in the producer process
+
+    def engine_counters(self) -> dict[str, float]:
+        return dict(self._counters)
 
     def paused(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -206,7 +211,7 @@ def _forward_groups(c, to_trainer) -> None:
     while True:
         try:
             for group in c.data.replay_buffer.take(1, timeout=0.5):
-                to_trainer.put(("group", group))
+                to_trainer.put(("group", (group, c.rollout_ctl.engine_counters())))
         except TimeoutError:
             continue
         except RuntimeError:  # the scheduler failed: _serve reports it

@@ -46,6 +46,9 @@ class RolloutSource(Protocol):
     def release_memory(self) -> int:
         """Give back engine memory the trainer can use until the next `push_weights`; bytes freed."""
 
+    def engine_counters(self) -> dict[str, float]:
+        """The engines' running totals (`RolloutController.engine_counters`), wherever the engines run."""
+
     def evaluate(self) -> dict[str, float]:
         """Generate and score the held-out set with the current weights (empty if there is none)."""
 
@@ -96,6 +99,9 @@ class InProcessRollouts:
     def push_weights(self, train_ctl: Any) -> None:
         train_ctl.sync_weights(self.rollout_ctl)
         self.env.notify_version()
+
+    def engine_counters(self) -> dict[str, float]:
+        return self.rollout_ctl.engine_counters()
 
     def release_memory(self) -> int:
         """Colocated sync RL: the engines here idle until the weight sync, so their KV cache and weights (not

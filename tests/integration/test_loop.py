@@ -51,6 +51,10 @@ def test_two_training_steps_on_tiny_model(tiny_path, dataset, tmp_path):
                 "train/logprob_diff_engine_max"]:
         assert key in steps[0], key
     assert steps[0]["rollout/samples"] == 8 and steps[0]["train/grad_norm"] > 0
+    for r in steps:  # the engine's work in the step's rollout: each sample's first token comes from its prefill
+        assert r["engine/decode_steps"] * r["engine/rows_per_step"] == r["rollout/generated_tokens"] - 8
+        assert 1 <= r["engine/rows_per_step"] <= 8 and r["engine/busy_ms_per_step"] > 0
+        assert r["engine/prefill_tokens"] > 0 and 0 < r["engine/busy_frac"] <= 1
     assert steps[0]["train/logprob_diff_engine_max"] < 1e-4  # fp32 engine and trainer agree
     assert "eval/pass@2" in evals[0] and final == {k: v for k, v in evals[-1].items() if k != "step"}
     assert list((c.run_dir / "tensorboard").glob("events.out.tfevents.*"))

@@ -57,6 +57,10 @@ def test_separate_staleness_bound_and_versions(tiny_path, data, tmp_path):  # no
     assert max(r["version_end"] for r in recs) >= 3  # the producer's engines got the trained weights
     rows = read_jsonl(c.run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4, 5]
+    # the producer's engine counters travel with its groups: its decode steps show in the trainer's metrics
+    assert sum(r.get("engine/decode_steps", 0) for r in rows) > 0
+    # at most (max_staleness + 1) batches of 2 groups x 2 samples generate at once
+    assert all(0 < r["engine/rows_per_step"] <= 8 for r in rows if "engine/rows_per_step" in r)
     assert any("eval/pass@1" in r for r in rows)  # evaluation ran in the producer, logged by the trainer
     assert (c.run_dir / "weights" / "LATEST").read_text().strip() == "5"
 
