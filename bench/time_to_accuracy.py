@@ -30,6 +30,7 @@ from pathlib import Path
 import _common
 import _tta_trl  # TRL itself loads only in the TRL side's subprocess
 import torch
+from memory_phases import descendants
 
 from relayrl.common.utils import InputError, read_jsonl
 from relayrl.config.loader import ConfigError
@@ -191,7 +192,7 @@ def stop_side(proc: subprocess.Popen, timeout: float, dump_s: float = 3.0) -> di
         proc.wait(timeout=timeout)
         return {"seconds": round(time.perf_counter() - t0, 2), "killed": False}
     except subprocess.TimeoutExpired:
-        tree = _descendants(proc.pid)
+        tree = [int(pid) for pid in descendants(proc.pid)]  # the producer, judge workers, compiler children
         for pid in [proc.pid, *tree]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGABRT)
@@ -201,21 +202,6 @@ def stop_side(proc: subprocess.Popen, timeout: float, dump_s: float = 3.0) -> di
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
         return {"seconds": round(time.perf_counter() - t0, 2), "killed": True, "processes": 1 + len(tree)}
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (from /proc: the producer, its judge workers, compiler children)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def run_trl_child(a: argparse.Namespace, tmp: str) -> dict:

@@ -101,22 +101,29 @@ def test_a_side_stuck_in_shutdown_dumps_every_process_stack_then_is_killed(tmp_p
     code = ("import signal, subprocess, sys, time\n"
             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
             "child = 'import signal, time\\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
-            "def child_waits():\\n    time.sleep(60)\\nchild_waits()'\n"
+            "def child_waits():\\n    time.sleep(60)\\nprint(\\'child ready\\', flush=True)\\nchild_waits()'\n"
             "subprocess.Popen([sys.executable, '-c', child])\n"
             "def parent_waits():\n    time.sleep(60)\n"
-            "print('ready', flush=True)\nparent_waits()\n")
+            "print('parent ready', flush=True)\nparent_waits()\n")
     log = tmp_path / "side.log"
     with log.open("w") as f:
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONFAULTHANDLER": "1"})
-        time.sleep(1.0)
-        tree = tta._descendants(proc.pid)
+        deadline = time.monotonic() + 30  # both processes have their handlers before the signals come
+        while not {"parent ready", "child ready"} <= set(log.read_text().split("\n")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert {"parent ready", "child ready"} <= set(log.read_text().split("\n")), log.read_text()
+        tree = tta.descendants(proc.pid)
         close = tta.stop_side(proc, timeout=0.5, dump_s=1.0)
     assert close["killed"] is True and close["processes"] == 2 and len(tree) == 1
     text = log.read_text()
     assert "parent_waits" in text and "child_waits" in text, text
     time.sleep(0.2)
-    assert not Path(f"/proc/{tree[0]}").exists() or "Z" in Path(f"/proc/{tree[0]}/stat").read_text().split()[2]
+    try:  # gone, or a zombie waiting for the reaper of its killed parent
+        state = Path(f"/proc/{tree[0]}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z"), state
 
 
 def side(time_s: float | None, total_s: float, samples: int | None = None, trained: int = 64) -> dict:
