@@ -134,7 +134,11 @@ def relayrl_curve(rows: list[dict]) -> tuple[list[dict], int, int]:
 
 STEP_KEYS = {"step_s": "time/step_s", "rollout_s": "time/rollout_s", "wait_s": "time/wait_for_batch_s",
              "train_s": "time/train_s", "sync_s": "time/weight_sync_s", "len_mean": "rollout/response_len_mean",
-             "truncated": "rollout/truncated_frac", "reward": "rollout/reward_mean"}
+             "truncated": "rollout/truncated_frac", "reward": "rollout/reward_mean",
+             # what the engines did (a producer's, for an async side), and why an async producer idled
+             "rows_per_step": "engine/rows_per_step", "decode_ms": "engine/busy_ms_per_step",
+             "engine_busy": "engine/busy_frac", "held": "rollout/held_frac", "lag": "rollout/engine_version_lag",
+             "weight_load_s": "rollout/weight_load_s", "expired": "rollout/groups_expired"}
 
 
 def relayrl_steps(rows: list[dict]) -> list[dict]:

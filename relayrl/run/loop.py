@@ -94,6 +94,10 @@ def train_async(c: Components) -> dict[str, float]:
             if c.trajectories is not None:
                 c.trajectories.log(batch, step)
             metrics |= rollout_metrics(batch) | staleness_metrics(batch, c.train_ctl.version)
+            # versions the engines' weights were behind the trainer's as the batch was taken (in transit to a
+            # producer process: it admits by the version it holds, so a lag shrinks what it may start)
+            metrics["rollout/engine_version_lag"] = c.train_ctl.version - c.rollouts.engine_counters().get(
+                "version", c.train_ctl.version)
             metrics |= c.train_ctl.fit(batch)
             metrics["time/weight_sync_s"] = relay_weights(c)
             metrics["time/rollout_s"] = metrics["time/wait_for_batch_s"]
@@ -121,12 +125,19 @@ def engine_metrics(before: dict[str, float], after: dict[str, float], span_s: fl
     full their batches ran: on a GPU a decode step costs about the same for 64 rows as for 1), busy milliseconds
     per decode step (prefills included), prompt tokens prefilled, and with `span_s` the share of that span the
     engines were busy (summed over engines). An async producer that idles (held by the staleness bound) or runs
-    thin batches shows here, not in the trainer's wait. Empty for engines without counters (remote servers)."""
+    thin batches shows here, not in the trainer's wait: `rollout/held_frac` is the share of the span the
+    staleness bound kept it from starting groups, `rollout/weight_load_s` the seconds its engines paused to load
+    weights. No engine/* metrics for engines without counters (remote servers)."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    out = {}
+    if "held_s" in d:  # an async producer (a sync run's weight loads are its time/weight_sync_s)
+        out["rollout/weight_load_s"] = d.get("weight_update_s", 0.0)
+        if span_s:
+            out["rollout/held_frac"] = min(1.0, d["held_s"] / span_s)
     if not d.get("steps"):
-        return {}
-    out = {"engine/decode_steps": d["steps"], "engine/rows_per_step": d["decode_rows"] / d["steps"],
-           "engine/busy_ms_per_step": 1000.0 * d["busy_s"] / d["steps"], "engine/prefill_tokens": d["prefill_tokens"]}
+        return out
+    out |= {"engine/decode_steps": d["steps"], "engine/rows_per_step": d["decode_rows"] / d["steps"],
+            "engine/busy_ms_per_step": 1000.0 * d["busy_s"] / d["steps"], "engine/prefill_tokens": d["prefill_tokens"]}
     if span_s:
         out["engine/busy_frac"] = d["busy_s"] / span_s
     return out

@@ -86,6 +86,8 @@ class ProducerHandle:
     def _take(self, n: int) -> list[list[Sample]]:
         while len(self._groups) < n:
             self._pump(0.5)
+        while not self.to_trainer.empty():  # what else has arrived: the counters then say where the producer is
+            self._pump(0.0)  # now, not where it was when it finished this batch's last group (maybe versions ago)
         return [self._groups.popleft() for _ in range(n)]
 
     # ---- the trainer's calls: the RolloutSource protocol (relayrl.run.sources) ------------------------
@@ -211,7 +213,7 @@ def _forward_groups(c, to_trainer) -> None:
     while True:
         try:
             for group in c.data.replay_buffer.take(1, timeout=0.5):
-                to_trainer.put(("group", (group, c.rollout_ctl.engine_counters())))
+                to_trainer.put(("group", (group, c.rollouts.engine_counters())))
         except TimeoutError:
             continue
         except RuntimeError:  # the scheduler failed: _serve reports it

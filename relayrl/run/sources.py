@@ -47,7 +47,9 @@ class RolloutSource(Protocol):
         """Give back engine memory the trainer can use until the next `push_weights`; bytes freed."""
 
     def engine_counters(self) -> dict[str, float]:
-        """The engines' running totals (`RolloutController.engine_counters`), wherever the engines run."""
+        """The engines' running totals (`RolloutController.engine_counters`), wherever the engines run, with the
+        rollout side's own: seconds spent loading weights, seconds an async producer was held by the staleness
+        bound, and (not a total) the weights' version the engines hold."""
 
     def evaluate(self) -> dict[str, float]:
         """Generate and score the held-out set with the current weights (empty if there is none)."""
@@ -101,7 +103,11 @@ class InProcessRollouts:
         self.env.notify_version()
 
     def engine_counters(self) -> dict[str, float]:
-        return self.rollout_ctl.engine_counters()
+        out = self.rollout_ctl.engine_counters() | {"weight_update_s": self.rollout_ctl.stats["weight_update_s"],
+                                                    "version": float(self.rollout_ctl.version)}
+        if self.asynchronous:
+            out["held_s"] = self.env.scheduler.held_s
+        return out
 
     def release_memory(self) -> int:
         """Colocated sync RL: the engines here idle until the weight sync, so their KV cache and weights (not

@@ -40,6 +40,12 @@ class StalenessManager:
             by_staleness = (self.max_staleness + version + 1) * self.batch_size - (self.accepted + self.running)
             return min(self.max_concurrency - self.running, by_staleness)
 
+    def held_by_staleness(self, version: int) -> bool:
+        """No group may start, and the staleness bound (not max_concurrency) is why."""
+        with self._lock:
+            by_staleness = (self.max_staleness + version + 1) * self.batch_size - (self.accepted + self.running)
+            return by_staleness <= 0 < self.max_concurrency - self.running
+
     def on_start(self) -> None:
         with self._lock:
             self.running += 1
@@ -66,6 +72,9 @@ class AsyncScheduler:
         self.batch_size, self.max_staleness = batch_size, max_staleness
         self.agent_timeout, self.group_filter, self.version_fn = agent_timeout, group_filter, version_fn
         self.stats = {"filtered": 0, "failed": 0, "expired": 0}
+        # seconds the producer had room below max_concurrency but the staleness bound held it: a producer that
+        # idles waiting for the trainer's next version (or for its weights to arrive) shows here
+        self.held_s = 0.0
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -82,6 +91,7 @@ class AsyncScheduler:
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 self._wake.clear()
+                held, t_wait = self.manager.held_by_staleness(self.version_fn()), time.perf_counter()
                 # a timer too: the version may change unannounced. Not wait_for: on Python 3.11 it can swallow a
                 # cancel that lands as its inner wait ends, and this loop ran on (stop_producer then waited 30 s
                 # and a checkpoint would have seen prompts drawn after the stop)
@@ -90,6 +100,8 @@ class AsyncScheduler:
                     await asyncio.wait({waiter}, timeout=1.0)
                 finally:
                     waiter.cancel()
+                    if held:
+                        self.held_s += time.perf_counter() - t_wait
         except BaseException as e:
             if not isinstance(e, asyncio.CancelledError):
                 data_mgr.replay_buffer.fail(e)

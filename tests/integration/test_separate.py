@@ -61,6 +61,11 @@ def test_separate_staleness_bound_and_versions(tiny_path, data, tmp_path):  # no
     assert sum(r.get("engine/decode_steps", 0) for r in rows) > 0
     # at most (max_staleness + 1) batches of 2 groups x 2 samples generate at once
     assert all(0 < r["engine/rows_per_step"] <= 8 for r in rows if "engine/rows_per_step" in r)
+    # and the rollout side's own: time loading weights, time held by the staleness bound, weights in transit
+    steps = [r for r in rows if "train/loss" in r]
+    assert sum(r["rollout/weight_load_s"] for r in steps) > 0
+    assert all(0.0 <= r["rollout/held_frac"] <= 1.0 for r in steps)
+    assert all(r["rollout/engine_version_lag"] >= 0 for r in steps)
     assert any("eval/pass@1" in r for r in rows)  # evaluation ran in the producer, logged by the trainer
     assert (c.run_dir / "weights" / "LATEST").read_text().strip() == "5"
 
