@@ -44,7 +44,7 @@ from safetensors.torch import load_file
 
 from relayrl.common.device import avoid_cudnn_attention, model_device
 from relayrl.common.utils import release_openmp_threads
-from relayrl.engine import attention
+from relayrl.engine import attention, skinny
 from relayrl.engine import linear as engine_linear
 from relayrl.engine.base import GenOutput, SamplingParams
 from relayrl.engine.decode_graphs import StaticDecode
@@ -65,7 +65,8 @@ class LocalEngine:
                  max_seq_len: int | None = None, seed: int = 0, max_tokens_in_flight: int | None = None,
                  prefix_cache_size: int = 64, kv_on_update: str = "recompute", attention: str = "auto",
                  owns_weights: bool = True, kv_cache_bytes: int | None = None, weight_rounding: str = "stochastic",
-                 cuda_graphs: bool = True, linear: str = "auto", prefill_tokens: int = 2048):
+                 cuda_graphs: bool = True, linear: str = "auto", prefill_tokens: int = 2048,
+                 skinny_rows: int | None = None):
         if kv_on_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_update must be 'recompute' or 'keep', got {kv_on_update!r}")
         if attention not in ("auto", "kernel", "sdpa"):
@@ -82,6 +83,8 @@ class LocalEngine:
         self.device = model_device(model)
         avoid_cudnn_attention(self.device)
         self.linear = engine_linear.choose(model, linear)  # the LM head's library: "onednn" or "default"
+        # few-row fp32 linears through a C kernel (relayrl.engine.skinny); a forced `linear` library means it alone
+        self.skinny_rows = skinny.choose(model, skinny_rows if skinny_rows is not None or linear == "auto" else 0)
         if kv_cache_bytes is not None and kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {kv_cache_bytes}")
         # grown on the first admission to what the batch needs: start at one small slot

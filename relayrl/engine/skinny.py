@@ -1,0 +1,123 @@
+"""A CPU engine's fp32 linears at a decode step's tail (a few rows) through a C kernel that streams each weight once.
+
+Why: once most sequences of a rollout have finished, a decode step runs its linears on a handful of rows, and the
+weights (SmolLM2-135M: 430 MB of fp32 layer weights) no longer fit in any cache. PyTorch's fp32 `F.linear` (MKL
+sgemm, oneDNN alike) then read them at 5-6 GB/s on a 2-core AMD EPYC Zen 3 that reads 18 GB/s, so a step with 4
+rows cost as much as one with 64 (docs/benchmarks.md, "Rollout speed"). `kernels/skinny_linear.c` loads each
+weight row once and multiplies it with every row of the input, which stays in L1: 1.5-2.8x MKL at 1-16 rows over
+30 layers' distinct weights there, 1.2x at 32.
+
+Where it pays depends on the CPU, so a quick measurement on weights larger than the last-level cache decides up to
+how many rows the kernel is used, once per machine (relayrl.common.hardware.measured); 0 turns it off. Like
+relayrl.engine.linear's oneDNN head, only the engine's forwards take this path (inference mode, fp32, CPU): the
+trainer's forwards of a shared model stay plain F.linear. Sums are grouped differently from MKL's, so logits agree to
+float rounding (~1e-5), not bit for bit. RELAYRL_KERNELS_OFF=skinny_linear (or RELAYRL_KERNELS=0) switches it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from relayrl.common import cbuild
+from relayrl.common.hardware import measured, seconds_per_call
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("kernels") / "skinny_linear.c"
+MAX_ROWS = 32  # the kernel's limit (blocks of 8 rows)
+_CANDIDATES = (32, 24, 16, 8)  # row limits tried, largest first
+
+
+@functools.cache
+def load_kernel() -> ctypes.CDLL | None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    sig = {"relayrl_skinny_linear_f32": ([i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int], ctypes.c_int)}
+    return cbuild.load(_SOURCE, ["-O3", "-march=native", "-fopenmp"], signatures=sig,
+                       fallback="the engine's linears use PyTorch's at every batch size")
+
+
+def skinny_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., k] @ weight[n, k]^T (+ bias) with at most MAX_ROWS rows of x, fp32 CPU tensors."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if not weight.is_contiguous() or x2.device.type != "cpu" or weight.device.type != "cpu":
+        raise RuntimeError("skinny_linear takes contiguous CPU tensors")  # a device pointer in C would crash
+    m, n = x2.shape[0], weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if lib.relayrl_skinny_linear_f32(m, n, x2.shape[1], x2.data_ptr(), x2.stride(0), weight.data_ptr(), y.data_ptr(),
+                                     torch.get_num_threads()):
+        raise RuntimeError(f"skinny_linear refused {m} rows (at most {MAX_ROWS})")
+    if bias is not None:
+        y += bias
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _forward(module: torch.nn.Linear, inner, rows: int, lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    w = module.weight
+    if (torch.is_inference_mode_enabled() and x.dtype == torch.float32 and w.dtype == torch.float32
+            and 0 < x.numel() <= rows * x.shape[-1] and w.is_contiguous()):
+        return skinny_linear(lib, x, w, module.bias)
+    return inner(x)
+
+
+def install(model: torch.nn.Module, rows: int) -> int:
+    """Send `model`'s fp32 CPU nn.Linear layers through the kernel for inputs of at most `rows` rows (in inference
+    mode); their own forward (the LM head's oneDNN one included) for the rest. Returns how many layers."""
+    lib = load_kernel()
+    if lib is None or rows <= 0:
+        return 0
+    patched = 0
+    for mod in model.modules():
+        if type(mod) is torch.nn.Linear and mod.weight.device.type == "cpu" and mod.weight.dtype == torch.float32:
+            mod.forward = functools.partial(_forward, mod, mod.forward, min(rows, MAX_ROWS), lib)
+            patched += 1
+    return patched
+
+
+def _measure() -> dict:
+    """Seconds of 16 distinct [1536 x 576] weights (56 MB: more than a last-level cache) at each candidate row count,
+    PyTorch's F.linear against the kernel, and whether they agree."""
+    lib = load_kernel()
+    weights = [torch.randn(1536, 576) / 24 for _ in range(16)]
+    out: dict = {"agree": True}
+    with torch.inference_mode():
+        for m in _CANDIDATES:
+            x = torch.randn(m, 576)
+            out["agree"] &= bool(torch.allclose(skinny_linear(lib, x, weights[0], None), F.linear(x, weights[0]),
+                                                rtol=1e-4, atol=1e-4))
+            out[f"default_s_{m}"] = seconds_per_call(lambda: [F.linear(x, w) for w in weights], 0.04, 3)  # noqa: B023
+            out[f"kernel_s_{m}"] = seconds_per_call(lambda: [skinny_linear(lib, x, w, None)  # noqa: B023
+                                                             for w in weights], 0.04, 3)
+    return out
+
+
+def measured_rows() -> tuple[int, str]:
+    """Up to how many rows the kernel beats PyTorch's default here by >= 1.1x (measured once, cached), and why."""
+    if load_kernel() is None:
+        return 0, "the kernel did not build or is switched off"
+    r = measured("skinny_linear", _measure)
+    if not r["agree"]:
+        return 0, "the kernel's results differ from F.linear's"
+    rows = next((m for m in _CANDIDATES if r[f"default_s_{m}"] / r[f"kernel_s_{m}"] >= 1.1), 0)
+    ratios = ", ".join(f"{m} rows {r[f'default_s_{m}'] / r[f'kernel_s_{m}']:.2f}x" for m in reversed(_CANDIDATES))
+    return rows, f"measured against PyTorch's default on streamed weights (cached): {ratios}"
+
+
+def choose(model: torch.nn.Module, rows: int | None) -> int:
+    """Install the kernel for up to `rows` rows (None: as measured here) on a CPU fp32 engine model; returns the row
+    limit in use (0: off) and logs why."""
+    param = next(model.parameters())
+    if param.device.type != "cpu" or param.dtype != torch.float32 or rows == 0:
+        return 0
+    rows, why = (rows, "set") if rows is not None else measured_rows()
+    if rows and not install(model, rows):
+        rows, why = 0, "the kernel did not build or is switched off"
+    log.info("LocalEngine fp32 linears at <= %d rows: %s (%s)", rows, "C kernel" if rows else "PyTorch's", why)
+    return rows
