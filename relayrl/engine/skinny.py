@@ -59,11 +59,13 @@ def skinny_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias:
     return y.reshape(*x.shape[:-1], n)
 
 
-def _forward(module: torch.nn.Linear, inner, rows: int, lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+def _forward(module: torch.nn.Linear, inner, rows: int, x: torch.Tensor) -> torch.Tensor:
+    """The patched forward. It holds no library handle (looked up, cached): a model is deep-copied (a reference
+    policy, a critic) and ctypes handles cannot be."""
     w = module.weight
     if (torch.is_inference_mode_enabled() and x.dtype == torch.float32 and w.dtype == torch.float32
             and 0 < x.numel() <= rows * x.shape[-1] and w.is_contiguous()):
-        return skinny_linear(lib, x, w, module.bias)
+        return skinny_linear(load_kernel(), x, w, module.bias)
     return inner(x)
 
 
@@ -76,7 +78,7 @@ def install(model: torch.nn.Module, rows: int) -> int:
     patched = 0
     for mod in model.modules():
         if type(mod) is torch.nn.Linear and mod.weight.device.type == "cpu" and mod.weight.dtype == torch.float32:
-            mod.forward = functools.partial(_forward, mod, mod.forward, min(rows, MAX_ROWS), lib)
+            mod.forward = functools.partial(_forward, mod, mod.forward, min(rows, MAX_ROWS))
             patched += 1
     return patched
 

@@ -56,7 +56,9 @@ def test_engine_step_parts_and_decode_profile_run_on_the_cpu(tiny_path, tmp_path
     assert steps == r["workload"]["max_new_tokens"] - 1  # the first token of each sample comes from its prefill
     assert r["parts_s"]["forward_decode"] <= r["parts_s"]["decode_step"] <= r["worker_busy_s"] <= r["wall_s"]
     assert r["bare_decode_forward_ms"] > 0
-    assert any(op["op"] in ("aten::mm", "aten::addmm") for op in r["profile"]["self_cpu_time_total"])
+    # the linears show as matmul ops, or (few rows, where relayrl.engine.skinny's kernel serves them) as its calls
+    assert (any(op["op"] in ("aten::mm", "aten::addmm") for op in r["profile"]["self_cpu_time_total"])
+            or any("skinny" in f["function"] for f in r["profile"]["python_tottime"]))
     assert r["profile"]["python_tottime"]
     cmd = [sys.executable, "bench/decode_profile.py", tiny_path, "cpu", "--batch", "4", "--context", "16"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,

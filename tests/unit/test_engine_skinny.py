@@ -91,3 +91,16 @@ def test_the_row_limit_follows_the_measurement_and_is_measured_once(tmp_path, mo
         (tmp_path / "hardware.json").unlink()
         monkeypatch.setattr(skinny, "_measure", fake(speedups, agree))
         assert skinny.measured_rows()[0] == want
+
+
+@needs_kernel
+def test_a_patched_model_can_still_be_deep_copied(tiny_path):
+    """The trainer copies a model for its reference policy: a patched engine model must survive that."""
+    import copy
+
+    model = load_model(tiny_path, dtype="float32")
+    assert skinny.install(model, 8) > 0
+    twin = copy.deepcopy(model)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.inference_mode():
+        assert torch.allclose(twin(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
