@@ -35,16 +35,18 @@ class StalenessManager:
         self.accepted = self.running = 0
         self._lock = threading.Lock()
 
+    def _by_staleness(self, version: int) -> int:
+        """Groups the staleness bound still lets start at `version` (the caller holds the lock)."""
+        return (self.max_staleness + version + 1) * self.batch_size - (self.accepted + self.running)
+
     def capacity(self, version: int) -> int:
         with self._lock:
-            by_staleness = (self.max_staleness + version + 1) * self.batch_size - (self.accepted + self.running)
-            return min(self.max_concurrency - self.running, by_staleness)
+            return min(self.max_concurrency - self.running, self._by_staleness(version))
 
     def held_by_staleness(self, version: int) -> bool:
         """No group may start, and the staleness bound (not max_concurrency) is why."""
         with self._lock:
-            by_staleness = (self.max_staleness + version + 1) * self.batch_size - (self.accepted + self.running)
-            return by_staleness <= 0 < self.max_concurrency - self.running
+            return self._by_staleness(version) <= 0 < self.max_concurrency - self.running
 
     def on_start(self) -> None:
         with self._lock:
