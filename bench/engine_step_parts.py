@@ -41,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=150)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the engine's KV cache dtype (engine.kv_dtype; auto: the engine's)")
+    p.add_argument("--no-bare", action="store_true", help="skip the bare decode forward beside the engine")
     p.add_argument("--no-cuda-graphs", action="store_true", help="a GPU engine decodes eagerly (cuda_graphs=False)")
     p.add_argument("--profile", action="store_true", help="also run the workload under torch.profiler and print the "
                    "top ops by self CPU and self device time")
@@ -156,7 +159,7 @@ def main() -> None:
     device = str(resolve_device(a.device))
     dtype = resolve_dtype(a.dtype, device)[0]
     engine = LocalEngine.from_pretrained(path, dtype=dtype, device=device, max_batch_size=a.prompts * a.group,
-                                         cuda_graphs=not a.no_cuda_graphs)
+                                         cuda_graphs=not a.no_cuda_graphs, kv_dtype=a.kv_dtype)
     vocab = engine.model.config.vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(a.prompt_len)] for _ in range(a.prompts)]
@@ -172,16 +175,19 @@ def main() -> None:
     engine.generate([p for p in prompts for _ in range(a.group)], params)
     wall = time.perf_counter() - t0
     busy = engine.stats["busy_s"] - busy0
+    kv_gb = engine.cache.nbytes() / 1e9  # what the batch grew it to (an idle engine keeps it until released)
     engine.close()
     steps = counts["_decode_step"]
-    bare = bare_decode_ms(engine.model, a.prompts * a.group, a.prompt_len + a.max_new_tokens // 2, vocab)
+    bare = (None if a.no_bare else  # its prefill of every row's full prompt is long at long contexts
+            bare_decode_ms(engine.model, a.prompts * a.group, a.prompt_len + a.max_new_tokens // 2, vocab))
     per_step = {k: 1e3 * totals[k] / max(steps, 1) for k in ("_decode_step", "_forward_decode")}
     # sampling and retiring also run once per admitted group inside _admit: their per-step share is an upper bound
     per_step["_sample_and_append_upper"] = 1e3 * totals["_sample_and_append"] / max(steps, 1)
     res = {**_common.result_header("engine_step_parts"),
            "workload": {"model": path, "device": device, "dtype": dtype, "prompts": a.prompts, "group": a.group,
                         "prompt_len": a.prompt_len, "max_new_tokens": a.max_new_tokens,
-                        "cuda_graphs": engine.cuda_graphs},
+                        "cuda_graphs": engine.cuda_graphs, "kv_dtype": str(engine.cache.dtype).removeprefix("torch.")},
+           "kv_cache_gb": kv_gb,
            "wall_s": wall, "worker_busy_s": busy, "decode_steps": steps,
            "parts_s": {k.lstrip("_"): v for k, v in totals.items()},
            "calls": {k.lstrip("_"): v for k, v in counts.items()},

@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads on both sides")
     p.add_argument("--trl-micro-batch", type=int, default=8,
                    help="TRL per_device_train_batch_size; gradient_accumulation = prompts*group / this")
+    p.add_argument("--relayrl-checkpointing", choices=["false", "true"], default="false",
+                   help="relayrl's model.gradient_checkpointing (TRL's side runs without; the README job with)")
     p.add_argument("--out", default="bench/results/grpo_step_vs_trl.json")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 2x2, 16 tokens, 1 step")
     p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: run one side, write --result-file
@@ -81,11 +83,12 @@ def run_relayrl(a, tmp: str) -> dict:
     from relayrl.run.evaluator import rollout_metrics
 
     d = dataset_cfg(a)
-    # precision and training memory settings as the README job (examples/arithmetic_grpo.yaml) ships them:
-    # engine.dtype auto, gradient checkpointing, 1024-token micro-batches, bf16 AdamW moments; measured faster
-    # here than relayrl's library defaults (no checkpointing, 4096-token micro-batches: ~10 GB, 30-36 s steps)
+    # precision as the README job (examples/arithmetic_grpo.yaml) ships it (engine.dtype auto), its 1024-token
+    # micro-batches and bf16 AdamW moments; gradient checkpointing as a.relayrl_checkpointing says: off by default,
+    # as on the TRL side. The README job turns it on to stay under 3 GB; it costs the fit 17-40% on a 2-core Zen 3
+    # (bench/results/train_settings_ckpt_128_zen3.json, fit_profile) and TRL's side does not pay it either.
     overrides = [f"model.path={a.model}", "engine.dtype=auto", "model.autocast_bf16=auto",
-                 "model.gradient_checkpointing=true", "train.micro_batch_tokens=1024",
+                 f"model.gradient_checkpointing={a.relayrl_checkpointing}", "train.micro_batch_tokens=1024",
                  "train.optimizer_state_dtype=bfloat16",
                  f"sampling.max_new_tokens={a.max_new_tokens}", f"sampling.temperature={a.temperature}",
                  f"data.train.source={d.source}", f"data.train.size={d.size}", f"data.train.seed={d.seed}",
@@ -216,7 +219,8 @@ def run_side(a) -> None:
 def child(a, side: str, model: str) -> dict:
     args = ["--side", side, "--model", model, "--prompts", str(a.prompts), "--group", str(a.group),
             "--max-new-tokens", str(a.max_new_tokens), "--temperature", str(a.temperature), "--steps", str(a.steps),
-            "--seed", str(a.seed), "--threads", str(a.threads), "--trl-micro-batch", str(a.trl_micro_batch)]
+            "--seed", str(a.seed), "--threads", str(a.threads), "--trl-micro-batch", str(a.trl_micro_batch),
+            "--relayrl-checkpointing", a.relayrl_checkpointing]
     t0 = time.perf_counter()
     res = _common.run_child(__file__, args, f"side {side}",
                             {"TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": str(a.threads)})
@@ -238,6 +242,9 @@ def summarize(a, runs: list[dict]) -> dict:
            "generated_tokens_per_s": tokens / total_s,
            "rollout_s_median": statistics.median(s["rollout_s"] for s in measured),
            "train_s_median": statistics.median(s["train_s"] for s in measured),
+           # per measured step: the steps' prompts are the same on both sides, their answers' lengths are not
+           "rollout_s_all": [s["rollout_s"] for s in measured], "train_s_all": [s["train_s"] for s in measured],
+           "gen_tokens_all": [s["gen_tokens"] for s in measured],
            "reward_mean": statistics.fmean(s["reward_mean"] for s in measured),
            "optimizer_steps_per_step": sorted({s["optimizer_steps"] for r in runs for s in r["steps"]}),
            "threads": sorted({r["threads"] for r in runs}), "process_s": [r["process_s"] for r in runs],

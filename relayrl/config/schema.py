@@ -78,6 +78,10 @@ class EngineConfig:
     num_engines: int = 1  # local engines in this process, or servers to launch (engine.launch)
     max_tokens_in_flight: int | None = None  # admit requests while sum(prompt + max_new_tokens) fits
     kv_cache_gb: float | None = None  # each local engine's KV cache budget, GB (1e9 B); requests beyond it queue
+    # local engines' KV cache: auto = the engine's dtype; bfloat16 under a float32 engine halves the cache (twice the
+    # sequences or context in the same memory, half the bytes each decode step reads) at the price of rounding the
+    # keys and values to bf16 (logprobs move by ~1e-2, measured in docs/benchmarks.md)
+    kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     prefix_cache_size: int = 64  # finished trajectories whose KV is kept for their next turn
     # local engines: prompts that arrive together are prefilled in forwards of up to this many (padded) tokens, their
     # shared start once (relayrl.engine.prefill); 0: one prompt per forward, nothing shared

@@ -30,7 +30,9 @@ from relayrl.models.attention import install as install  # LocalEngine routes th
 _SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _LIBS = ["-lmvec", "-lm"]  # -ffast-math vectorises expf through glibc's vector math library
-_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# (model dtype, cache dtype) -> the kernel's name suffix: a cache in the model's dtype, or an fp32 model's bf16 cache
+_VARIANTS = {(torch.bfloat16, torch.bfloat16): "bf16", (torch.float32, torch.float32): "f32",
+             (torch.float32, torch.bfloat16): "f32_bf16kv"}
 _MAX_G, _MAX_D = 16, 256  # the kernel's stack buffers (kernels/decode_attention.c)
 
 
@@ -40,22 +42,27 @@ def load_kernel() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     args = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ctypes.c_float,
             ptr, ctypes.c_int]
-    signatures = {f"relayrl_decode_attention_{name}": (args, ctypes.c_int) for name in _DTYPES.values()}
+    signatures = {f"relayrl_decode_attention_{name}": (args, ctypes.c_int) for name in _VARIANTS.values()}
     return cbuild.load(_SOURCE, _CFLAGS, _LIBS, signatures=signatures, fallback="LocalEngine uses PyTorch SDPA")
 
 
-def kernel_supports(dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int) -> bool:
-    return dtype in _DTYPES and num_heads % kv_heads == 0 and num_heads // kv_heads <= _MAX_G and head_dim <= _MAX_D
+def kernel_supports(dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int,
+                    kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernel takes a model in `dtype` over a cache in `kv_dtype` (None: the model's) of this shape."""
+    return ((dtype, kv_dtype or dtype) in _VARIANTS and num_heads % kv_heads == 0
+            and num_heads // kv_heads <= _MAX_G and head_dim <= _MAX_D)
 
 
-def why_not_kernel(model: torch.nn.Module, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str | None:
-    """Why `model` cannot attend through the kernel in decode steps (None: it can, and its attention calls now come
-    to relayrl's entry point)."""
+def why_not_kernel(model: torch.nn.Module, kv_dtype: torch.dtype, heads: int, kv_heads: int,
+                   head_dim: int) -> str | None:
+    """Why `model` cannot attend through the kernel in decode steps over a cache in `kv_dtype` (None: it can, and
+    its attention calls now come to relayrl's entry point)."""
     device = model_device(model)
+    dtype = next(model.parameters()).dtype
     if device.type != "cpu":
         return f"the C kernel reads CPU memory and the model is on {device}"
-    if not kernel_supports(dtype, heads, kv_heads, head_dim):
-        return f"no kernel for dtype={dtype}, heads={heads}/{kv_heads}, head_dim={head_dim}"
+    if not kernel_supports(dtype, heads, kv_heads, head_dim, kv_dtype):
+        return f"no kernel for dtype={dtype}, kv_dtype={kv_dtype}, heads={heads}/{kv_heads}, head_dim={head_dim}"
     if load_kernel() is None:
         return "the kernel did not build (see the warning above) or RELAYRL_KERNELS=0"
     if not install(model):
@@ -74,8 +81,11 @@ def decode_attention(lib: ctypes.CDLL, query: torch.Tensor, key: torch.Tensor, v
         raise RuntimeError(f"the decode-attention kernel runs on CPU tensors only, got {query.device}")
     assert query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and positions.dtype == torch.int64
+    variant = _VARIANTS.get((query.dtype, k_cache.dtype))
+    if variant is None or key.dtype != query.dtype or value.dtype != query.dtype or v_cache.dtype != k_cache.dtype:
+        raise RuntimeError(f"no decode-attention kernel for a {query.dtype} model over a {k_cache.dtype} cache")
     out = torch.empty(n, 1, heads, dim, dtype=query.dtype)
-    fn = getattr(lib, f"relayrl_decode_attention_{_DTYPES[query.dtype]}")
+    fn = getattr(lib, f"relayrl_decode_attention_{variant}")
     rc = fn(n, kvh, heads // kvh, dim, query.data_ptr(), query.stride(0), query.stride(1),
             key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1),
             k_cache.data_ptr(), v_cache.data_ptr(),

@@ -14,6 +14,10 @@ The slots live on the model's device (LocalEngine passes it); only the fused CPU
 
 The cache is a rectangle (slots x length): `bytes_for` says what a shape costs, so that an engine with a byte
 budget (engine.kv_cache_gb) admits only the sequences whose grown rectangle still fits and queues the rest.
+
+Its dtype may be narrower than the model's (engine.kv_dtype: an fp32 model over a bf16 cache, half the bytes per
+token): keys and values are rounded as they are stored, and widened back wherever the model reads them (the C
+kernel widens each row as it reads it; the SDPA paths get a widened copy of what they attend over).
 """
 
 from __future__ import annotations
@@ -114,22 +118,30 @@ class SlotKVCache:
             slots, start = self._mode[1], self._mode[2]  # an int (one row) or a tensor of slots
             end = start + key.shape[2]
             one = isinstance(slots, int)
-            self.k[layer_idx][slots, :, start:end] = key[0] if one else key
-            self.v[layer_idx][slots, :, start:end] = value[0] if one else value
+            # stored in the cache's dtype (indexed puts do not cast)
+            self.k[layer_idx][slots, :, start:end] = (key[0] if one else key).to(self.dtype)
+            self.v[layer_idx][slots, :, start:end] = (value[0] if one else value).to(self.dtype)
             if start == 0:
                 return key, value
             rows = slice(slots, slots + 1) if one else slots
-            return self.k[layer_idx][rows, :, :end], self.v[layer_idx][rows, :, :end]
+            return (self._widen(self.k[layer_idx][rows, :, :end], key),
+                    self._widen(self.v[layer_idx][rows, :, :end], key))
         if mode == "decode" and self.fused:
             return key, value  # attend() writes them
         if mode == "decode":
             positions, kv_len = self._mode[1], self._mode[2]
             rows = torch.arange(key.shape[0], device=key.device)
-            self.k[layer_idx][rows, :, positions] = key[:, :, 0]
-            self.v[layer_idx][rows, :, positions] = value[:, :, 0]
+            self.k[layer_idx][rows, :, positions] = key[:, :, 0].to(self.dtype)
+            self.v[layer_idx][rows, :, positions] = value[:, :, 0].to(self.dtype)
             n = key.shape[0]
-            return self.k[layer_idx][:n, :, :kv_len], self.v[layer_idx][:n, :, :kv_len]
+            return (self._widen(self.k[layer_idx][:n, :, :kv_len], key),
+                    self._widen(self.v[layer_idx][:n, :, :kv_len], key))
         raise RuntimeError("SlotKVCache.update called outside a prefill/decode step")
+
+    @staticmethod
+    def _widen(stored: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """What attention reads: the stored keys/values in the model's dtype (a view when the dtypes agree)."""
+        return stored if stored.dtype == like.dtype else stored.to(like.dtype)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # only used by HF when position_ids is None
         raise RuntimeError("SlotKVCache needs explicit position_ids")

@@ -58,6 +58,9 @@ from relayrl.models import eos_token_ids, load_model, load_tokenizer
 log = logging.getLogger(__name__)
 
 
+KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 class LocalEngine:
     """Continuous-batching generation over a Hugging Face causal LM held in this process."""
 
@@ -66,13 +69,15 @@ class LocalEngine:
                  prefix_cache_size: int = 64, kv_on_update: str = "recompute", attention: str = "auto",
                  owns_weights: bool = True, kv_cache_bytes: int | None = None, weight_rounding: str = "stochastic",
                  cuda_graphs: bool = True, linear: str = "auto", prefill_tokens: int = 2048,
-                 skinny_rows: int | None = None):
+                 skinny_rows: int | None = None, kv_dtype: str = "auto"):
         if kv_on_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_update must be 'recompute' or 'keep', got {kv_on_update!r}")
         if attention not in ("auto", "kernel", "sdpa"):
             raise ValueError(f"attention must be 'auto', 'kernel' or 'sdpa', got {attention!r}")
         if linear not in ("auto", "onednn", "default"):
             raise ValueError(f"linear must be 'auto', 'onednn' or 'default', got {linear!r}")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
         cfg = model.config
         self.model = model.eval()
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -87,9 +92,11 @@ class LocalEngine:
         self.skinny_rows = skinny.choose(model, skinny_rows if skinny_rows is not None or linear == "auto" else 0)
         if kv_cache_bytes is not None and kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {kv_cache_bytes}")
-        # grown on the first admission to what the batch needs: start at one small slot
-        self.cache = SlotKVCache(cfg.num_hidden_layers, kv_heads, head_dim, next(model.parameters()).dtype,
-                                 slots=1, length=64, device=self.device)
+        # grown on the first admission to what the batch needs: start at one small slot. kv_dtype "auto": the
+        # model's dtype; a narrower one (an fp32 model's bf16 cache) holds twice the tokens per byte, rounded
+        cache_dtype = KV_DTYPES[kv_dtype] or next(model.parameters()).dtype
+        self.cache = SlotKVCache(cfg.num_hidden_layers, kv_heads, head_dim, cache_dtype, slots=1, length=64,
+                                 device=self.device)
         self.kv_cache_bytes = kv_cache_bytes
         self.weights = EngineWeights(model, seed=seed, rounding=weight_rounding, owned=owns_weights)
         self._generator = torch.Generator().manual_seed(seed)  # a CPU generator on any device (sampling.py)

@@ -158,8 +158,9 @@ def resolve_precision(cfg: Config, quiet: bool = False) -> Config:
     dtype, why = resolve_dtype(cfg.engine.dtype, device.type, cfg.model.autocast_bf16)
     autocast = resolve_autocast(cfg.model.autocast_bf16, dtype, device.type)
     if not quiet:
-        print(f"precision: engine {dtype}, trainer {cfg.model.train_dtype}{' + bf16 autocast' if autocast else ''} "
-              f"on {device} ({why})")
+        kv = "" if cfg.engine.kv_dtype in ("auto", dtype) else f" (KV cache {cfg.engine.kv_dtype})"
+        print(f"precision: engine {dtype}{kv}, trainer {cfg.model.train_dtype}"
+              f"{' + bf16 autocast' if autocast else ''} on {device} ({why})")
     return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, dtype=dtype),
                                model=dataclasses.replace(cfg.model, autocast_bf16=autocast))
 
@@ -338,7 +339,7 @@ def make_engines(cfg: Config, model_path: str, eos: list[int], run_dir: Path, la
         kw = dict(eos_token_ids=eos, max_batch_size=e.max_batch_size, max_seq_len=e.max_seq_len,
                   max_tokens_in_flight=e.max_tokens_in_flight, prefix_cache_size=e.prefix_cache_size,
                   kv_on_update=e.kv_on_update, attention=e.attention, weight_rounding=e.weight_rounding,
-                  cuda_graphs=e.cuda_graphs, prefill_tokens=e.prefill_tokens,
+                  cuda_graphs=e.cuda_graphs, prefill_tokens=e.prefill_tokens, kv_dtype=e.kv_dtype,
                   kv_cache_bytes=None if e.kv_cache_gb is None else int(e.kv_cache_gb * 1e9))
         if shared_model is not None:
             return [LocalEngine(shared_model, seed=cfg.run.seed, owns_weights=False, **kw)]

@@ -12,6 +12,9 @@
  *   k_new  [n, kvh, D]       row stride k_sn, head stride k_sh (v_new: v_sn, v_sh)
  *   cache  [slots, kvh, M, D] slot stride c_ss, head stride c_sh, position stride D (k_cache, v_cache)
  *   out    [n, kvh * G, D]   contiguous
+ * q, k_new, v_new and out are in the model's dtype (T); the cache may be narrower (TC: an fp32 model over a bf16
+ * cache holds twice the tokens in the same memory and reads half the bytes per step); its rows are widened to fp32
+ * once, as they are read.
  * Returns 0, or 1 when G or D exceed the stack buffers (the caller then uses SDPA).
  */
 #include <float.h>
@@ -40,18 +43,21 @@ static inline uint16_t bf16_store(float f) { /* round to nearest even, as torch'
 static inline float f32_load(const float *p) { return *p; }
 static inline float f32_store(float f) { return f; }
 
-#define DEFINE_DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                         \
+#define DEFINE_DECODE_ATTENTION(NAME, T, LOAD, STORE, TC, CLOAD, CSTORE)                                     \
     int NAME(int64_t n, int64_t kvh, int64_t G, int64_t D, const T *q, int64_t q_sn, int64_t q_sh,            \
              const T *k_new, int64_t k_sn, int64_t k_sh, const T *v_new, int64_t v_sn, int64_t v_sh,          \
-             T *k_cache, T *v_cache,                                                                          \
+             TC *k_cache, TC *v_cache,                                                                        \
              int64_t c_ss, int64_t c_sh, const int64_t *pos, float scale, T *out, int threads) {              \
         if (G > MAX_G || D > MAX_D) return 1;                                                                 \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                                 \
         for (int64_t t = 0; t < n * kvh; ++t) {                                                               \
             const int64_t i = t / kvh, h = t % kvh, p = pos[i];                                               \
-            T *kc = k_cache + i * c_ss + h * c_sh, *vc = v_cache + i * c_ss + h * c_sh;                       \
-            memcpy(kc + p * D, k_new + i * k_sn + h * k_sh, D * sizeof(T));                                   \
-            memcpy(vc + p * D, v_new + i * v_sn + h * v_sh, D * sizeof(T));                                   \
+            TC *kc = k_cache + i * c_ss + h * c_sh, *vc = v_cache + i * c_ss + h * c_sh;                      \
+            const T *kn = k_new + i * k_sn + h * k_sh, *vn = v_new + i * v_sn + h * v_sh;                     \
+            for (int64_t d = 0; d < D; ++d) { /* the step's key/value, in the cache's dtype */                \
+                kc[p * D + d] = CSTORE(LOAD(kn + d));                                                         \
+                vc[p * D + d] = CSTORE(LOAD(vn + d));                                                         \
+            }                                                                                                 \
             float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], s[MAX_G][BLOCK], m[MAX_G], l[MAX_G], row[MAX_D];       \
             for (int64_t g = 0; g < G; ++g) {                                                                 \
                 const T *qg = q + i * q_sn + (h * G + g) * q_sh;                                              \
@@ -65,8 +71,8 @@ static inline float f32_store(float f) { return f; }
             for (int64_t start = 0; start <= p; start += BLOCK) {                                             \
                 const int64_t nb = (p + 1 - start) < BLOCK ? (p + 1 - start) : BLOCK;                         \
                 for (int64_t j = 0; j < nb; ++j) { /* scores of the block's keys */                           \
-                    const T *kr = kc + (start + j) * D;                                                       \
-                    for (int64_t d = 0; d < D; ++d) row[d] = LOAD(kr + d);                                    \
+                    const TC *kr = kc + (start + j) * D;                                                      \
+                    for (int64_t d = 0; d < D; ++d) row[d] = CLOAD(kr + d);                                   \
                     for (int64_t g = 0; g < G; ++g) {                                                         \
                         float dot = 0.f;                                                                      \
                         for (int64_t d = 0; d < D; ++d) dot += qf[g][d] * row[d];                             \
@@ -86,8 +92,8 @@ static inline float f32_store(float f) { return f; }
                     for (int64_t d = 0; d < D; ++d) acc[g][d] *= corr;                                        \
                 }                                                                                             \
                 for (int64_t j = 0; j < nb; ++j) { /* weighted values */                                      \
-                    const T *vr = vc + (start + j) * D;                                                       \
-                    for (int64_t d = 0; d < D; ++d) row[d] = LOAD(vr + d);                                    \
+                    const TC *vr = vc + (start + j) * D;                                                      \
+                    for (int64_t d = 0; d < D; ++d) row[d] = CLOAD(vr + d);                                   \
                     for (int64_t g = 0; g < G; ++g) {                                                         \
                         const float w = s[g][j];                                                              \
                         for (int64_t d = 0; d < D; ++d) acc[g][d] += w * row[d];                              \
@@ -103,5 +109,6 @@ static inline float f32_store(float f) { return f; }
         return 0;                                                                                             \
     }
 
-DEFINE_DECODE_ATTENTION(relayrl_decode_attention_bf16, uint16_t, bf16_load, bf16_store)
-DEFINE_DECODE_ATTENTION(relayrl_decode_attention_f32, float, f32_load, f32_store)
+DEFINE_DECODE_ATTENTION(relayrl_decode_attention_bf16, uint16_t, bf16_load, bf16_store, uint16_t, bf16_load, bf16_store)
+DEFINE_DECODE_ATTENTION(relayrl_decode_attention_f32, float, f32_load, f32_store, float, f32_load, f32_store)
+DEFINE_DECODE_ATTENTION(relayrl_decode_attention_f32_bf16kv, float, f32_load, f32_store, uint16_t, bf16_load, bf16_store)
