@@ -32,7 +32,10 @@ def reference(query, key, value, k_cache, v_cache, positions, scale):
 
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (9, 3, 64), (4, 4, 32)])
+# the vector paths: 4 keys x up to 3 heads per pass, 3 heads x 32 dims per tile (G=7: 3+3+1 heads, D=40: 32+8);
+# D=12 is not a multiple of 8: the scalar path
+@pytest.mark.parametrize("heads,kv_heads,dim",
+                         [(4, 2, 16), (9, 3, 64), (4, 4, 32), (7, 1, 40), (6, 2, 12), (8, 2, 128)])
 def test_kernel_matches_softmax_attention_and_writes_the_new_key_value(dtype, heads, kv_heads, dim):
     lib = attention.load_kernel()
     assert lib is not None, "a C compiler is present, so the kernel must build"
