@@ -148,7 +148,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     options = ServeOptions(api_key=args.api_key, insecure=args.insecure, weights_root=args.weights_root,
                            max_n=args.max_n, max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                           max_tokens_in_flight=args.max_tokens_in_flight, max_body_bytes=args.max_body_bytes)
+                           max_tokens_in_flight=args.max_tokens_in_flight, max_body_bytes=args.max_body_bytes,
+                           kv_dtype=args.kv_dtype)
     try:
         serve(args.model, host=args.host, port=args.port, dtype=args.dtype, max_batch_size=args.max_batch_size,
               max_seq_len=args.max_seq_len, seed=args.seed, log_level=args.log_level, options=options)
@@ -196,6 +197,9 @@ def _serve_parser(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--port", type=int, default=30000, help="port (0: any free port; the ready line says which)")
     sv.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                     help="auto: bfloat16 where bf16 is native (a GPU with it, an AVX512-BF16/AMX CPU), else float32")
+    sv.add_argument("--kv-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                    help="the KV cache's dtype (auto: the model's; bfloat16 under float32 halves its memory, keys and "
+                    "values rounded)")
     sv.add_argument("--max-batch-size", type=_positive, default=64, help="most sequences decoded together")
     sv.add_argument("--max-seq-len", type=_positive, help="prompt + output limit (default: the model's)")
     sv.add_argument("--max-tokens-in-flight", type=_positive, help="admission budget of prompt + max_new_tokens "

@@ -26,11 +26,13 @@ class Server:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log.open("w"),
                                      text=True)
         self.url: str | None = None
+        self.lines: list[str] = []  # stdout up to the ready line
 
     def wait_ready(self, timeout: float = 90.0) -> str:
         """Read stdout (in a thread, so the timeout holds) until the ready line."""
         def read() -> None:
             for line in self.proc.stdout:
+                self.lines.append(line)
                 m = READY.search(line)
                 if m:
                     self.url = m.group(1)

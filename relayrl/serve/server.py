@@ -235,6 +235,7 @@ class ServeOptions:
     max_prompt_tokens: int | None = None
     max_tokens_in_flight: int | None = None
     max_body_bytes: int | None = None
+    kv_dtype: str = "auto"  # the engine's KV cache (LocalEngine kv_dtype)
 
 
 def _limits(engine: Any, max_batch_size: int, options: ServeOptions) -> ServerLimits:
@@ -267,9 +268,11 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, dtype: str 
     weights_root = check_options(host, options.api_key, options.insecure, options.weights_root)
     path = resolve_model_path(model)
     dtype, why = resolve_dtype(dtype)
-    print(f"relayrl serve: {dtype} ({why})", flush=True)
+    kv = "" if options.kv_dtype in ("auto", dtype) else f", KV cache {options.kv_dtype}"
+    print(f"relayrl serve: {dtype}{kv} ({why})", flush=True)
     engine = LocalEngine.from_pretrained(path, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                         max_tokens_in_flight=options.max_tokens_in_flight, seed=seed)
+                                         max_tokens_in_flight=options.max_tokens_in_flight, seed=seed,
+                                         kv_dtype=options.kv_dtype)
     try:
         state = ServerState(engine, load_tokenizer(path), path, _limits(engine, max_batch_size, options),
                             options.api_key, weights_root)

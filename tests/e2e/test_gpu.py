@@ -104,3 +104,26 @@ def test_dist_transport_sends_cuda_weights_from_a_snapshot_taken_in_stream_order
             w.mul_(3.0)  # the next optimizer step, on the same stream
 
     assert run_dist_pair(_receive_two_versions, send) == [(1, [1024.0 * 1024]), (2, [3.0 * 1024 * 1024])]
+
+
+def test_a_bf16_kv_cache_on_cuda_replays_as_graphs_and_stays_near_a_full_forward(tiny_path):
+    """engine.kv_dtype=bfloat16 under an fp32 CUDA engine: the SDPA path stores rounded and reads widened copies,
+    inside CUDA graphs too; graphs and eager steps give the same tokens, and logprobs stay near fp32."""
+    from device_checks import full_forward_logprobs
+
+    from relayrl.models import load_model
+
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    outs = {}
+    for graphs in (True, False):
+        eng = engine_on(tiny_path, "cuda", max_batch_size=4, kv_dtype="bfloat16", cuda_graphs=graphs)
+        try:
+            assert eng.cache.dtype == torch.bfloat16 and eng.cuda_graphs == graphs
+            outs[graphs] = eng.generate(PROMPTS[:5], params)
+        finally:
+            eng.close()
+    model = load_model(tiny_path, dtype="float32", device="cuda")
+    for prompt, a, b in zip(PROMPTS[:5], outs[True], outs[False]):
+        assert a.output_ids == b.output_ids
+        ref = full_forward_logprobs(model, prompt, a.output_ids, 1.0)
+        assert (torch.tensor(a.logprobs) - ref).abs().max().item() < 0.05
