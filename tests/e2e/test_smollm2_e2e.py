@@ -26,13 +26,17 @@ def smol():
     return resolve_model_path("smollm2")
 
 
-def test_engine_and_trainer_logprobs_agree_on_real_prompts(smol):
+# kv_dtype bfloat16: the engine attends over keys/values rounded to bf16, the trainer over fp32 ones: measured on
+# SmolLM2 at 96 tokens, max 0.04-0.06 / mean 0.005 (bench/kv_dtype_parity.py); a wrong read of the narrow cache
+# is off by nats
+@pytest.mark.parametrize("kv_dtype,max_diff,mean_diff", [("auto", 1e-3, 1e-4), ("bfloat16", 0.2, 0.02)])
+def test_engine_and_trainer_logprobs_agree_on_real_prompts(smol, kv_dtype, max_diff, mean_diff):
     tok = load_tokenizer(smol)
     questions = ["What is 7 * 8?", "What is 9 - 4? Put your final answer within \\boxed{}."]
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                            add_generation_prompt=True))["input_ids"] for q in questions]
     model = load_model(smol, dtype="float32")
-    engine = LocalEngine(model, eos_token_ids=eos_token_ids(tok, smol), max_batch_size=8)
+    engine = LocalEngine(model, eos_token_ids=eos_token_ids(tok, smol), max_batch_size=8, kv_dtype=kv_dtype)
     samples = []
     for g, prompt in enumerate(prompts):
         for out in engine.generate([prompt] * 3, SamplingParams(max_new_tokens=24, temperature=0.8)):
@@ -45,9 +49,8 @@ def test_engine_and_trainer_logprobs_agree_on_real_prompts(smol):
         batch = Packer(4096, pad_id=tok.pad_token_id, share_prompt=share).pack(samples)
         for mb in batch.micro_batches:
             batch.scatter("logp", mb, trainer.forward_logprobs(mb))
-        diff = max(float((lp - torch.tensor(s.logprobs)).abs().max())
-                   for s, lp in zip(samples, batch.per_token["logp"]))
-        assert diff < 1e-3, (share, diff)
+        diff = torch.cat([(lp - torch.tensor(s.logprobs)).abs() for s, lp in zip(samples, batch.per_token["logp"])])
+        assert diff.max() < max_diff and diff.mean() < mean_diff, (share, diff.max(), diff.mean())
 
 
 def test_one_grpo_step_on_smollm2(smol, tmp_path):
