@@ -15,10 +15,8 @@ side, says what a kernel change or the cache's dtype does.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,24 +33,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--baseline-source", help="another decode_attention.c to build and time beside this one")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
-
-
-def build(source: Path, out_dir: str, name: str) -> ctypes.CDLL:
-    """Compile `source` as relayrl.engine.attention does and give its functions their signature."""
-    import subprocess
-
-    from relayrl.engine import attention
-
-    so = Path(out_dir) / f"{name}.so"
-    subprocess.run(["cc", *attention._CFLAGS, "-shared", "-fPIC", "-o", str(so), str(source), *attention._LIBS],
-                   check=True)
-    lib = ctypes.CDLL(str(so))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    args = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ctypes.c_float,
-            ptr, ctypes.c_int]
-    for variant in ("f32", "f32_bf16kv"):
-        getattr(lib, f"relayrl_decode_attention_{variant}").argtypes = args
-    return lib
 
 
 def measure(libs: dict, context: int, rows: int, dtype, reps: int) -> dict:
@@ -86,19 +66,22 @@ def main() -> None:
 
     from relayrl.engine import attention
 
-    with tempfile.TemporaryDirectory() as tmp:
-        libs = {"kernel": build(attention._SOURCE, tmp, "kernel")}
-        if a.baseline_source:
-            libs["baseline"] = build(Path(a.baseline_source), tmp, "baseline")
-        cases = []
-        for context in map(int, a.contexts.split(",")):
-            for rows in map(int, a.rows.split(",")):
-                for dtype in (torch.float32, torch.bfloat16):
-                    c = measure(libs, context, rows, dtype, a.reps)
-                    if "baseline_ms" in c:
-                        c["kernel_vs_baseline_time"] = c["kernel_ms"] / c["baseline_ms"]
-                    print({k: round(v, 3) if isinstance(v, float) else v for k, v in c.items()}, file=sys.stderr)
-                    cases.append(c)
+    # built as the engine builds it (relayrl.common.cbuild: its flags, its ISA, its cache); a baseline source must
+    # define every variant this one does (relayrl_decode_attention_f32_bf16kv: since 8e1d458)
+    libs = {"kernel": attention.load_kernel()}
+    if a.baseline_source:
+        libs["baseline"] = attention.build(Path(a.baseline_source), fallback="no baseline")
+    if any(lib is None for lib in libs.values()):
+        sys.exit("error: a kernel did not build or kernels are switched off (RELAYRL_KERNELS)")
+    cases = []
+    for context in map(int, a.contexts.split(",")):
+        for rows in map(int, a.rows.split(",")):
+            for dtype in (torch.float32, torch.bfloat16):
+                c = measure(libs, context, rows, dtype, a.reps)
+                if "baseline_ms" in c:
+                    c["kernel_vs_baseline_time"] = c["kernel_ms"] / c["baseline_ms"]
+                print({k: round(v, 3) if isinstance(v, float) else v for k, v in c.items()}, file=sys.stderr)
+                cases.append(c)
     res = {**_common.result_header("decode_attention"), "shape": SHAPE, "reps": a.reps,
            "baseline_source": a.baseline_source, "cases": cases}
     print(json.dumps(res, indent=2))

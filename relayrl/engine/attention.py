@@ -36,14 +36,20 @@ _VARIANTS = {(torch.bfloat16, torch.bfloat16): "bf16", (torch.float32, torch.flo
 _MAX_G, _MAX_D = 16, 256  # the kernel's stack buffers (kernels/decode_attention.c)
 
 
-@functools.cache
-def load_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None (logged once) when it cannot be built or is switched off."""
+def build(source: Path = _SOURCE, fallback: str = "LocalEngine uses PyTorch SDPA") -> ctypes.CDLL | None:
+    """`source` (this kernel, or another version of its file: bench/decode_attention.py) built by relayrl.common.cbuild
+    and loaded with every variant's signature; None (logged with `fallback`) when it cannot be built or is off."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     args = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ctypes.c_float,
             ptr, ctypes.c_int]
     signatures = {f"relayrl_decode_attention_{name}": (args, ctypes.c_int) for name in _VARIANTS.values()}
-    return cbuild.load(_SOURCE, _CFLAGS, _LIBS, signatures=signatures, fallback="LocalEngine uses PyTorch SDPA")
+    return cbuild.load(source, _CFLAGS, _LIBS, signatures=signatures, fallback=fallback)
+
+
+@functools.cache
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (logged once) when it cannot be built or is switched off."""
+    return build()
 
 
 def kernel_supports(dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int,

@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 from device_checks import PROMPTS, full_forward_logprobs
+from test_kv_budget import _watch  # the largest batch and cache seen at each admission and step
 
 from relayrl.config import ConfigError
 from relayrl.engine import attention
@@ -85,19 +86,11 @@ def test_a_bf16_cache_holds_twice_the_sequences_in_the_same_budget(model):
     fp32.close()
     budget = 2 * 64 * per_token  # two fp32 sequences of one 64-position slot each
     eng = LocalEngine(model, eos_token_ids=[], max_batch_size=8, kv_cache_bytes=budget, kv_dtype="bfloat16")
-    most = 0
-    decode = eng._decode_step
-
-    def spy():
-        nonlocal most
-        most = max(most, len(eng._active))
-        decode()
-
-    eng._decode_step = spy
+    seen = _watch(eng)
     try:
         assert eng.cache.bytes_per_token * 2 == per_token
         out = eng.generate([[5, 6, 7]] * 6, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
-        assert len(out) == 6 and most == 4 and eng.cache.nbytes() <= budget
+        assert len(out) == 6 and seen["active"] == 4 and 0 < seen["bytes"] <= budget
     finally:
         eng.close()
     with pytest.raises(ValueError, match="kv_dtype"):
