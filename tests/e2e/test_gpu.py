@@ -16,6 +16,8 @@ from device_checks import (
 )
 
 from relayrl.engine.base import SamplingParams
+from relayrl.engine.local import LocalEngine
+from relayrl.engine.rollout import RolloutController
 
 pytestmark = [
     pytest.mark.gpu,
@@ -127,3 +129,31 @@ def test_a_bf16_kv_cache_on_cuda_replays_as_graphs_and_stays_near_a_full_forward
         assert a.output_ids == b.output_ids
         ref = full_forward_logprobs(model, prompt, a.output_ids, 1.0)
         assert (torch.tensor(a.logprobs) - ref).abs().max().item() < 0.05
+
+
+def test_host_weights_for_a_bf16_cuda_engine_are_rounded_on_the_gpu(tiny_path, monkeypatch):
+    """The dist and disk transports hand a GPU engine fp32 host tensors. They must be rounded where the weights
+    live: rounded on the producer's one host thread they kept SmolLM2's engine paused 1.4-3.1 s per update on an
+    H200 machine (docs/benchmarks.md, "Sixth run"). Each weight lands on one of src's two bf16 neighbours."""
+    import relayrl.trainer.optim as optim
+    from relayrl.models import load_model
+
+    devices = []
+    plain = optim.stochastic_round_
+    monkeypatch.setattr(optim, "stochastic_round_", lambda dst, src, g=None: (devices.append(src.device.type),
+                                                                               plain(dst, src, g)))
+    eng = LocalEngine(load_model(tiny_path, dtype="bfloat16", device="cuda"), eos_token_ids=[], max_batch_size=2)
+    try:
+        host = {n: p.detach().float().cpu() + 1e-3 * torch.randn(p.shape) for n, p in eng.model.named_parameters()}
+        RolloutController([eng]).update_weights(lambda: host.items(), 1)
+        assert devices and set(devices) == {"cuda"}
+        for name, p in eng.model.named_parameters():
+            src = host[name]
+            bits = src.view(torch.int32).bitwise_and(-65536)  # bf16 is fp32's upper half: these two bracket src
+            down, up = bits.view(torch.float32), (bits + 65536).view(torch.float32)
+            got = p.detach().float().cpu()
+            assert p.device.type == "cuda" and p.dtype == torch.bfloat16
+            assert ((got == down) | (got == up)).all(), name
+        assert eng.version == 1 and eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4))[0].output_ids
+    finally:
+        eng.close()
