@@ -294,6 +294,9 @@ class AlgoConfig:
     behav_weight_cap: float | None = 5.0  # None: no cap
     behav_weight_mode: Literal["clamp", "mask"] = "mask"  # tokens above the cap: weight clamped, or dropped
     behav_weight_level: Literal["token", "sequence"] = "token"  # sequence: geometric mean over the sequence
+    # with one update per batch (train.epochs = train.minibatches = 1) pi_prox is the policy being trained, so its
+    # logprobs are the training forward's own (detached): true spends a separate forward on them anyway
+    recompute_prox: bool = False
 
     def validate(self) -> None:
         check(self.clip_low >= 0, "clip_low", "clip ranges must be >= 0")

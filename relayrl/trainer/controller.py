@@ -93,11 +93,14 @@ class TrainController:
 
     # ---- low-level API ----------------------------------------------------------------------
     def needs_old_logprobs(self) -> bool:
-        """One plain update per batch is on-policy: old logprobs equal the detached new ones, skip the pass.
-        Decoupled PPO always recomputes them: they are the proximal policy. KL in the reward needs them too:
-        it is KL(pi_old || pi_ref) measured by the trainer, not by an engine with other numerics."""
-        return (self.algo.decoupled or self.train_cfg.epochs > 1 or self.train_cfg.minibatches > 1
-                or self._kl_in_reward())
+        """One update per batch is on-policy: old logprobs equal the detached new ones, skip the pass. So is
+        decoupled PPO's proximal policy then (the policy before this step's one update is the one being
+        trained): its logprobs come from the training forward (`_loss_fn`), a forward pass saved, unless
+        algo.recompute_prox. KL in the reward needs them first: it is KL(pi_old || pi_ref) measured by the
+        trainer, not by an engine with other numerics."""
+        several_updates = self.train_cfg.epochs > 1 or self.train_cfg.minibatches > 1
+        return (several_updates or self._kl_in_reward()
+                or (self.algo.decoupled and self.algo.recompute_prox))
 
     def compute_old_logprobs(self, batch: TrainBatch) -> TrainBatch:
         if self.needs_old_logprobs():
@@ -142,13 +145,17 @@ class TrainController:
             adv = [o - a.kl_coef * k for o, k in zip(adv, discounted_cumsum(kl, 1.0))]
         flat = whiten(torch.cat(adv), mean=a.adv_mean in ("batch", "group_batch"), std=a.adv_std == "batch")
         batch.per_token["advantages"] = list(flat.split(batch.lengths))
-        if a.decoupled:
-            w, capped = behav_weights(batch.flat("old_logp"), batch.flat("behav_logp"), batch.lengths,
-                                      cap=a.behav_weight_cap, mode=a.behav_weight_mode, level=a.behav_weight_level)
+        if a.decoupled and "old_logp" in batch.per_token:  # otherwise the loss weighs with its own forward's
+            w, capped = self._behav_weights(batch.flat("old_logp"), batch.flat("behav_logp"), batch.lengths)
             batch.per_token["behav_weight"] = list(w.split(batch.lengths))
             self._step_stats |= {"train/behav_weight_mean": float(w.mean()), "train/behav_weight_max": float(w.max()),
                                  "train/behav_capped_frac": float(capped.float().mean())}
         return batch
+
+    def _behav_weights(self, prox: torch.Tensor, behav: torch.Tensor, lengths: list[int]):
+        a = self.algo
+        return behav_weights(prox, behav, lengths, cap=a.behav_weight_cap, mode=a.behav_weight_mode,
+                             level=a.behav_weight_level)
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         cfg = self.train_cfg
@@ -342,14 +349,20 @@ class TrainController:
         kl_loss_coef = a.kl_coef if a.kl_mode == "loss" else 0.0  # in reward mode, kl_ref is only logged
 
         def loss_fn(mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor | None):
+            seq_lengths = [batch.samples[i].num_trained_tokens for i in mb.sample_idx]
+            behav, behav_w, extra = batch.gather("behav_logp", mb), batch.gather("behav_weight", mb), {}
+            if a.decoupled and behav_w is None:  # one update per batch: pi_prox is this forward's policy
+                behav_w, capped = self._behav_weights(logp.detach(), behav, seq_lengths)
+                extra = {"behav_weight_mean": float(behav_w.sum()) * stat_weight,
+                         "behav_weight_max": float(behav_w.max()) if behav_w.numel() else 0.0,
+                         "behav_capped_frac": float(capped.sum()) * stat_weight}
             inp = LossInputs(old_logp=batch.gather("old_logp", mb), advantages=batch.gather("advantages", mb),
                              weights=batch.gather("weights", mb), stat_weight=stat_weight,
-                             ref_logp=batch.gather("ref_logp", mb), behav_weight=batch.gather("behav_weight", mb),
-                             seq_lengths=[batch.samples[i].num_trained_tokens for i in mb.sample_idx])
+                             ref_logp=batch.gather("ref_logp", mb), behav_weight=behav_w, seq_lengths=seq_lengths)
             loss, stats = policy_loss(logp, entropy, inp, clip_low=a.clip_low, clip_high=a.clip_high,
                                       kl_coef=kl_loss_coef, kl_estimator=a.kl_estimator,
                                       entropy_coef=a.entropy_coef, ratio_level=a.ratio_level)
-            behav = batch.gather("behav_logp", mb)
+            stats |= extra
             diff = (logp.detach() - behav).abs()
             stats["logprob_diff_engine_abs"] = float(diff.sum()) * stat_weight
             stats["logprob_diff_engine_max"] = float(diff.max())

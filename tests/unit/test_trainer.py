@@ -116,6 +116,35 @@ def test_multiple_minibatches_recompute_old_logprobs(model):
     assert ctl.version == 1
 
 
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_decoupled_ppo_with_one_update_takes_prox_logprobs_from_the_training_forward(model, level):
+    """One update per batch: pi_prox is the policy being trained, so the separate forward for its logprobs is
+    skipped and the loss weighs tokens with its own forward's. The update, and the reported weights, must be
+    the recomputing path's. Behaviour logprobs are shifted so weights spread around 1 and some pass the cap."""
+    samples = rollout(model)
+    for k, s in enumerate(samples):
+        s.logprobs = [lp + (-0.9 if k % 2 == 0 or (k + t) % 3 == 0 else 0.4) for t, lp in enumerate(s.logprobs)]
+    results = {}
+    for recompute in (False, True):
+        algo = AlgoConfig(decoupled=True, recompute_prox=recompute, behav_weight_cap=2.0, behav_weight_level=level)
+        ctl = TrainController(TrainEngine(copy.deepcopy(model), lr=1e-2), algo, TrainConfig(micro_batch_tokens=40),
+                              pad_id=0, max_new_tokens=16)
+        ctl.engine.optimizer = torch.optim.SGD(ctl.engine.model.parameters(), lr=1.0)  # weight change = gradient
+        forwards = []
+        plain = ctl.engine.forward_logprobs_all
+        ctl.engine.forward_logprobs_all = lambda mbs, f=forwards, run=plain: f.append(len(mbs)) or run(mbs)
+        assert ctl.needs_old_logprobs() == recompute
+        results[recompute] = ctl.fit(samples), ctl.engine.model, forwards
+    (m_own, own, f_own), (m_re, re, f_re) = results[False], results[True]
+    assert f_own == [] and len(f_re) == 1  # the saved pass
+    assert m_re["train/behav_capped_frac"] > 0 and m_re["train/behav_weight_max"] <= 2.0
+    for key in ("train/behav_weight_mean", "train/behav_weight_max", "train/behav_capped_frac"):
+        assert m_own[key] == pytest.approx(m_re[key], abs=1e-5), key
+    for (n, a), (_, b) in zip(own.named_parameters(), re.named_parameters()):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), n
+
+
 def test_sync_weights_makes_engine_match_trainer(model):
     samples = rollout(model)
     ctl, _ = _fit(model, samples, 4096, {})
