@@ -138,7 +138,8 @@ STEP_KEYS = {"step_s": "time/step_s", "rollout_s": "time/rollout_s", "wait_s": "
              # what the engines did (a producer's, for an async side), and why an async producer idled
              "rows_per_step": "engine/rows_per_step", "decode_ms": "engine/busy_ms_per_step",
              "engine_busy": "engine/busy_frac", "held": "rollout/held_frac", "lag": "rollout/engine_version_lag",
-             "weight_load_s": "rollout/weight_load_s", "expired": "rollout/groups_expired"}
+             "weight_load_s": "rollout/weight_load_s", "weight_pause_s": "rollout/weight_pause_s",
+             "expired": "rollout/groups_expired"}
 
 
 def relayrl_steps(rows: list[dict]) -> list[dict]:

@@ -38,7 +38,10 @@ class RolloutController:
         self._in_flight = [0] * len(engines)
         self._sticky: OrderedDict[str, int] = OrderedDict()  # rid -> engine index, least recently used first
         self._closing = False
-        self.stats = {"requests": 0, "weight_updates": 0, "weight_update_s": 0.0, "resubmits": 0}
+        # weight_update_s: engines paused for updates, in all; weight_pause_s: the part spent waiting for them to
+        # stop at a token boundary (the rest is the writing)
+        self.stats = {"requests": 0, "weight_updates": 0, "weight_update_s": 0.0, "weight_pause_s": 0.0,
+                      "resubmits": 0}
 
     @property
     def version(self) -> int:
@@ -93,6 +96,7 @@ class RolloutController:
         t0 = time.perf_counter()
         for e in self.engines:
             e.pause()
+        self.stats["weight_pause_s"] += time.perf_counter() - t0
         try:
             for e in self.engines:
                 e.update_weights(named_tensors(), version)

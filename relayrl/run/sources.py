@@ -103,7 +103,9 @@ class InProcessRollouts:
         self.env.notify_version()
 
     def engine_counters(self) -> dict[str, float]:
-        out = self.rollout_ctl.engine_counters() | {"weight_update_s": self.rollout_ctl.stats["weight_update_s"],
+        stats = self.rollout_ctl.stats
+        out = self.rollout_ctl.engine_counters() | {"weight_update_s": stats["weight_update_s"],
+                                                    "weight_pause_s": stats["weight_pause_s"],
                                                     "version": float(self.rollout_ctl.version)}
         if self.asynchronous:
             out["held_s"] = self.env.scheduler.held_s

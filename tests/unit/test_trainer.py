@@ -159,6 +159,32 @@ def test_sync_weights_makes_engine_match_trainer(model):
     eng.close()
 
 
+
+def test_a_weight_update_counts_the_wait_for_the_engine_to_stop(model):
+    """RolloutController.stats: weight_pause_s is the part of weight_update_s spent waiting for the engines to
+    stop at a token boundary; an engine held mid-step for 0.3 s makes the update wait that long."""
+    import threading
+    import time
+
+    eng = LocalEngine(copy.deepcopy(model), eos_token_ids=[], max_batch_size=2)
+    rc = RolloutController([eng])
+    held = threading.Event()
+
+    def long_step() -> None:
+        with eng._step_lock:  # what the engine's worker holds while it runs a step
+            held.set()
+            time.sleep(0.3)
+
+    worker = threading.Thread(target=long_step)
+    worker.start()
+    held.wait()
+    rc.update_weights(lambda: list(model.named_parameters()), 1)
+    worker.join()
+    assert 0.25 <= rc.stats["weight_pause_s"] <= rc.stats["weight_update_s"]
+    assert eng.version == 1
+    eng.close()
+
+
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_reference_kl_is_zero_at_start_and_grows(model, estimator):
     samples = rollout(model)
