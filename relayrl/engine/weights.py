@@ -55,14 +55,8 @@ class EngineWeights:
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, seed: int) -> None:
         """dst <- src; fp32 into bf16 rounds stochastically unless rounding="nearest". The seed is a function of
-        (engine seed, version, tensor), so a resumed run rounds as the first did.
-
-        A tensor from another device (host copies from the dist or disk transport, for a GPU engine) moves to the
-        weight's device first, so the rounding runs there: rounded on the host by a producer's one thread it took
-        1.4-3.1 s per update of SmolLM2 on an H200 machine, all of it with the engine paused (docs/benchmarks.md,
-        "Sixth run")."""
-        if src.device != dst.device:
-            src = src.to(dst.device)
+        (engine seed, version, tensor), so a resumed run rounds as the first did. Host copies for a GPU engine (the
+        dist and disk transports) are rounded on the GPU: round_to_bf16_ rounds where `dst` lives."""
         if self.rounding == "stochastic" and dst.dtype == torch.bfloat16 and src.dtype == torch.float32:
             round_to_bf16_(dst, src.detach(), seed)
         else:

@@ -71,9 +71,15 @@ def round_to_bf16_(dst: torch.Tensor, src: torch.Tensor, seed: int) -> None:
     stays where it is until the weights have moved by half a bf16 step, 2^-9 of their size: at RL learning
     rates (Adam moves a weight by ~lr a step) most weights of SmolLM2 did not change their bf16 value in the
     first steps, and the engine kept sampling from the first policy. Rounded stochastically the copy follows
-    the master weights in expectation from the first step (docs/benchmarks.md, "A bf16 engine that learns")."""
+    the master weights in expectation from the first step (docs/benchmarks.md, "A bf16 engine that learns").
+
+    A `src` on another device moves to `dst`'s first and is rounded there: host copies for a GPU engine (the dist
+    and disk transports) rounded on the host, by a producer's one torch thread, kept SmolLM2's engine paused
+    1.4-3.1 s per update on an H200 machine (docs/benchmarks.md, "Sixth run")."""
     if dst.shape != src.shape:
         raise ValueError(f"cannot round a tensor of shape {tuple(src.shape)} into one of {tuple(dst.shape)}")
+    if src.device != dst.device:
+        src = src.to(dst.device)
     lib = load_kernel()
     if lib is not None and src.dtype == torch.float32 and dst.dtype == torch.bfloat16 and _kernel_can_take(src, dst):
         lib.relayrl_round_bf16(src.numel(), src.data_ptr(), dst.data_ptr(), seed & 0xFFFFFFFF,

@@ -2,6 +2,8 @@
 exactness of the loss and gradients, weight relay."""
 
 import copy
+import threading
+import time
 
 import pytest
 import torch
@@ -116,7 +118,6 @@ def test_multiple_minibatches_recompute_old_logprobs(model):
     assert ctl.version == 1
 
 
-
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_decoupled_ppo_with_one_update_takes_prox_logprobs_from_the_training_forward(model, level):
     """One update per batch: pi_prox is the policy being trained, so the separate forward for its logprobs is
@@ -159,13 +160,9 @@ def test_sync_weights_makes_engine_match_trainer(model):
     eng.close()
 
 
-
 def test_a_weight_update_counts_the_wait_for_the_engine_to_stop(model):
     """RolloutController.stats: weight_pause_s is the part of weight_update_s spent waiting for the engines to
     stop at a token boundary; an engine held mid-step for 0.3 s makes the update wait that long."""
-    import threading
-    import time
-
     eng = LocalEngine(copy.deepcopy(model), eos_token_ids=[], max_batch_size=2)
     rc = RolloutController([eng])
     held = threading.Event()
@@ -176,13 +173,15 @@ def test_a_weight_update_counts_the_wait_for_the_engine_to_stop(model):
             time.sleep(0.3)
 
     worker = threading.Thread(target=long_step)
-    worker.start()
-    held.wait()
-    rc.update_weights(lambda: list(model.named_parameters()), 1)
-    worker.join()
-    assert 0.25 <= rc.stats["weight_pause_s"] <= rc.stats["weight_update_s"]
-    assert eng.version == 1
-    eng.close()
+    try:
+        worker.start()
+        held.wait()
+        rc.update_weights(lambda: list(model.named_parameters()), 1)
+        worker.join()
+        assert 0.25 <= rc.stats["weight_pause_s"] <= rc.stats["weight_update_s"]
+        assert eng.version == 1
+    finally:
+        eng.close()
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
