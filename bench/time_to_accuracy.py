@@ -139,6 +139,7 @@ STEP_KEYS = {"step_s": "time/step_s", "rollout_s": "time/rollout_s", "wait_s": "
              "rows_per_step": "engine/rows_per_step", "decode_ms": "engine/busy_ms_per_step",
              "engine_busy": "engine/busy_frac", "held": "rollout/held_frac", "lag": "rollout/engine_version_lag",
              "weight_load_s": "rollout/weight_load_s", "weight_pause_s": "rollout/weight_pause_s",
+             "weight_stage_s": "rollout/weight_stage_s",
              "expired": "rollout/groups_expired"}
 
 

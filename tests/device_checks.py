@@ -168,6 +168,34 @@ def check_weight_sync(tiny_path: str, device: str, tmp_path: Path) -> None:
             fresh.close()
 
 
+def check_staged_update(tiny_path: str, device: str) -> None:
+    """An fp32 host update for a bf16 engine on `device` with a request running: stage_weights moves and rounds it
+    before the pause (the dist transport's case: host copies for a producer's engine), and the engine ends bit for bit
+    where an engine that rounds with the pause held ends. Idle, the same engine stages nothing (no second copy)."""
+    engines = [LocalEngine(load_model(tiny_path, dtype="bfloat16", device=device), eos_token_ids=[], max_batch_size=2,
+                           stage_weights=stage) for stage in (True, False)]
+    gen = torch.Generator().manual_seed(3)
+    host = {n: p.detach().float().cpu() + 1e-3 * torch.randn(p.shape, generator=gen)
+            for n, p in engines[0].model.named_parameters()}
+    try:
+        assert all(t is host[n] for n, t in engines[0].stage_weights(host.items(), 1))  # idle: passed as it is
+        engines[0].pause()  # a request waits: the engine counts as generating
+        fut = engines[0].submit(PROMPTS[0], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        staged = engines[0].stage_weights(host.items(), 1)
+        assert all(t.device.type == device and t.dtype == torch.bfloat16 for _, t in staged)
+        rcs = [RolloutController([e]) for e in engines]
+        for rc in rcs:
+            rc.update_weights(lambda: host.items(), 1)
+        assert rcs[0].stats["weight_stage_s"] > 0
+        for (name, a), (_, b) in zip(engines[0].model.named_parameters(), engines[1].model.named_parameters()):
+            assert torch.equal(a, b), name
+            assert torch.equal(a, dict(staged)[name]), name  # what the pause wrote is what was staged
+        assert fut.result(timeout=60).versions[-1] == 1
+    finally:
+        for e in engines:
+            e.close()
+
+
 def check_colocated_run(tiny_path: str, device: str, tmp_path: Path) -> None:
     """Two steps of the real colocated loop with run.device set: engine and trainer load on that device."""
     data = write_sums(tmp_path / "d.jsonl", 8)

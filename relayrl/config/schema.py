@@ -103,6 +103,10 @@ class EngineConfig:
     # follows the trainer's from the first step (rounded to nearest, most weights keep their bf16 value for many
     # steps at RL learning rates); remote servers are then sent bf16 (dtype bfloat16); nearest = plain casts
     weight_rounding: Literal["stochastic", "nearest"] = "stochastic"
+    # local engines generating when an update arrives: move it to their device and round it into their dtype first,
+    # still generating, then pause only for a copy (costs one copy of the weights in the engine's dtype meanwhile;
+    # on a GPU, skipped when that does not fit). false: move and round with the engine paused
+    stage_weights: bool = True
     # remote engines: servers at `addresses`, or num_engines servers started by the run (`launch`)
     backend: Literal["sglang", "vllm"] = "sglang"  # sglang: SGLang's native API (also `relayrl serve`)
     addresses: list[str] = field(default_factory=list)  # e.g. ["http://10.0.0.5:30000"]

@@ -109,7 +109,10 @@ class StaticDecode:
 
     def _record(self, step: _Step) -> bool:
         """Warm up once on a side stream (lazy initialisations must not land in the graph), then record. The warm-up
-        is this step itself: it writes the same keys and values the replay writes again."""
+        is this step itself: it writes the same keys and values the replay writes again. Recorded with
+        capture_error_mode="thread_local": the default ("global") makes any other thread's synchronous CUDA call
+        fail while a step records, and others run beside the engine (a producer staging a weight update,
+        relayrl.engine.weights; a trainer thread in a colocated async run). Theirs run on their own streams."""
         device = self.cache.device
         try:
             side = torch.cuda.Stream(device=device)
@@ -118,7 +121,7 @@ class StaticDecode:
                 self._run(step)
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 step.logits = self._run(step)
         except Exception as e:  # noqa: BLE001 - any failure: decode eagerly, never fail the requests for it
             self.failed = f"{type(e).__name__}: {e}"

@@ -7,9 +7,10 @@ batched forward over a slot KV cache. Finished sequences leave the batch at once
 group does not hold short ones hostage.
 
 Weight updates and pauses take effect between steps (at a token boundary): `update_weights` takes
-the step lock, so no forward ever mixes two policies, and every token is stamped with the version
-of the weights that sampled it. Running sequences then continue with the new weights (partial
-rollout); with kv_on_update="recompute" their KV cache is first rebuilt under the new weights.
+the step lock (the worker starts no step while a caller waits for it), so no forward ever mixes two
+policies, and every token is stamped with the version of the weights that sampled it. Running
+sequences then continue with the new weights (partial rollout); with kv_on_update="recompute" their
+KV cache is first rebuilt under the new weights.
 LoRA adapters (relayrl.trainer.lora) arrive the same way and are merged into a copy of the base weights.
 fp32 weights arriving at a bf16 engine are rounded stochastically (weight_rounding="stochastic"): rounded to
 nearest, updates smaller than half a bf16 step would never reach it (relayrl.trainer.optim.round_to_bf16_).
@@ -32,11 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -69,7 +71,7 @@ class LocalEngine:
                  prefix_cache_size: int = 64, kv_on_update: str = "recompute", attention: str = "auto",
                  owns_weights: bool = True, kv_cache_bytes: int | None = None, weight_rounding: str = "stochastic",
                  cuda_graphs: bool = True, linear: str = "auto", prefill_tokens: int = 2048,
-                 skinny_rows: int | None = None, kv_dtype: str = "auto"):
+                 skinny_rows: int | None = None, kv_dtype: str = "auto", stage_weights: bool = True):
         if kv_on_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_update must be 'recompute' or 'keep', got {kv_on_update!r}")
         if attention not in ("auto", "kernel", "sdpa"):
@@ -99,6 +101,7 @@ class LocalEngine:
                                  device=self.device)
         self.kv_cache_bytes = kv_cache_bytes
         self.weights = EngineWeights(model, seed=seed, rounding=weight_rounding, owned=owns_weights)
+        self.stage_updates = stage_weights  # stage_weights(): move and round an update before pausing for it
         self._generator = torch.Generator().manual_seed(seed)  # a CPU generator on any device (sampling.py)
         self._sample_work = torch.empty(0, device=self.device)  # sampling's float32 scratch, grown as needed
         self.max_tokens_in_flight, self.kv_on_update = max_tokens_in_flight, kv_on_update
@@ -109,7 +112,8 @@ class LocalEngine:
         self._waiting: deque[Seq] = deque()
         self._active: list[Seq] = []  # index = KV slot
         self._cond = threading.Condition()
-        self._step_lock = threading.Lock()
+        self._step_lock = threading.Lock()  # held by the worker for each step, by others via _between_steps
+        self._callers = 0  # threads waiting in _between_steps: the worker starts no step meanwhile
         self._paused = False
         self._closed = False
         self._version = 0
@@ -177,7 +181,7 @@ class LocalEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy new weights in place between two decode steps and stamp later tokens with `version`
         (relayrl.engine.weights: LoRA adapters merged, fp32 into bf16 rounded stochastically)."""
-        with self._step_lock:
+        with self._between_steps():
             self.weights.write(named_tensors, version)
             self._version = version
             self._parked.clear()  # parked KV was computed by the old weights
@@ -186,18 +190,27 @@ class LocalEngine:
                 for seq in self._active:
                     seq.refill = True
 
+    def stage_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                      version: int) -> list[tuple[str, torch.Tensor]]:
+        """An update made ready while this engine keeps generating (EngineWeights.stage: moved to its device and
+        rounded into its dtype), so that `update_weights` pauses it only for a copy. An idle engine loses nothing
+        to a pause: its update is passed as it is, with no second copy of the weights (colocated sync runs)."""
+        if not self.stage_updates or not self.num_running():
+            return list(named_tensors)
+        return self.weights.stage(named_tensors, version)
+
     def load_weights_from_disk(self, path: str, version: int) -> None:
         """Load every *.safetensors file of a folder (e.g. a saved HF model) as new weights."""
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no .safetensors files in {path}")
         tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
-        self.update_weights(tensors.items(), version)
+        self.update_weights(self.stage_weights(tensors.items(), version), version)
 
     def abort(self, rid: str | None = None) -> int:
         """Finish the matching requests (all if rid is None) now, with finish_reason "abort" and the
         tokens generated so far; returns how many were aborted."""
-        with self._step_lock, torch.inference_mode():
+        with self._between_steps(), torch.inference_mode():
             with self._cond:
                 hit = [q for q in self._waiting if rid is None or q.rid == rid]
                 for q in hit:
@@ -216,7 +229,7 @@ class LocalEngine:
         this process needs the memory (colocated synchronous RL: the engine is idle while training). The next
         `update_weights` must send every weight; it reallocates them. An engine still serving live requests
         keeps its memory (returns 0). Returns the bytes released."""
-        with self._step_lock, torch.inference_mode():
+        with self._between_steps(), torch.inference_mode():
             self._drop_cancelled()  # e.g. over-sampled groups the scheduler dropped: nobody waits for them
             with self._cond:
                 self._waiting = deque(q for q in self._waiting if not q.future.cancelled())
@@ -233,12 +246,12 @@ class LocalEngine:
 
     def flush_cache(self) -> None:
         """Forget parked KV (finished trajectories' prefixes) and the kept shared start."""
-        with self._step_lock:
+        with self._between_steps():
             self._parked.clear()
             self._start.clear()
 
     def set_version(self, version: int) -> None:
-        with self._step_lock:
+        with self._between_steps():
             self._version = version
 
     def rng_state(self) -> torch.Tensor:
@@ -246,12 +259,27 @@ class LocalEngine:
         return self._generator.get_state()
 
     def set_rng_state(self, state: torch.Tensor) -> None:
-        with self._step_lock:
+        with self._between_steps():
             self._generator.set_state(state)
+
+    @contextlib.contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        """The step lock, for a caller, between two of the worker's steps. The worker starts no step while a caller
+        waits here: it never blocks between its steps, so it took the lock straight back after each one, and a
+        caller got it only when the OS woke it in that gap (with a few busy Python threads, seconds later)."""
+        with self._cond:
+            self._callers += 1
+        try:
+            with self._step_lock:
+                yield
+        finally:
+            with self._cond:
+                self._callers -= 1
+                self._cond.notify()
 
     def pause(self) -> None:
         """Stop stepping after the current token; running sequences keep their state."""
-        with self._step_lock, self._cond:
+        with self._between_steps(), self._cond:
             self._paused = True
 
     def resume(self) -> None:
@@ -312,12 +340,12 @@ class LocalEngine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and (self._paused or not (self._waiting or self._active)):
+                while not self._closed and (self._paused or self._callers or not (self._waiting or self._active)):
                     self._cond.wait()
                 if self._closed:
                     return
                 new = self._take_admissible()
-            with self._step_lock, torch.inference_mode():
+            with self._step_lock, torch.inference_mode():  # the worker's own: the others use _between_steps
                 t0 = time.perf_counter()
                 try:
                     self._drop_cancelled()

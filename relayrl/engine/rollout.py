@@ -39,9 +39,10 @@ class RolloutController:
         self._sticky: OrderedDict[str, int] = OrderedDict()  # rid -> engine index, least recently used first
         self._closing = False
         # weight_update_s: engines paused for updates, in all; weight_pause_s: the part spent waiting for them to
-        # stop at a token boundary (the rest is the writing)
+        # stop at a token boundary (the rest is the writing); weight_stage_s: making updates ready before the
+        # pause, engines still generating (LocalEngine.stage_weights)
         self.stats = {"requests": 0, "weight_updates": 0, "weight_update_s": 0.0, "weight_pause_s": 0.0,
-                      "resubmits": 0}
+                      "weight_stage_s": 0.0, "resubmits": 0}
 
     @property
     def version(self) -> int:
@@ -91,15 +92,20 @@ class RolloutController:
     def update_weights(self, named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]], version: int) -> None:
         """Pause every engine at a token boundary, load the weights, bump the version, resume.
 
-        `named_tensors` is a callable returning a fresh iterator, so each engine gets its own pass.
+        `named_tensors` is a callable returning a fresh iterator, so each engine gets its own pass. Engines that
+        can (local ones) stage it first, still generating: moved to their device and rounded into their dtype.
         """
         t0 = time.perf_counter()
+        staged = [e.stage_weights(named_tensors(), version) if hasattr(e, "stage_weights") else None
+                  for e in self.engines]
+        t1 = time.perf_counter()
+        self.stats["weight_stage_s"] += t1 - t0
         for e in self.engines:
             e.pause()
-        self.stats["weight_pause_s"] += time.perf_counter() - t0
+        self.stats["weight_pause_s"] += time.perf_counter() - t1
         try:
-            for e in self.engines:
-                e.update_weights(named_tensors(), version)
+            for e, ready in zip(self.engines, staged, strict=True):
+                e.update_weights(named_tensors() if ready is None else ready, version)
                 if self.partial_rollout == "requeue":
                     e.abort()  # their generations restart from scratch under the new weights
         except BaseException:
@@ -110,7 +116,7 @@ class RolloutController:
         for e in self.engines:
             e.resume()
         self.stats["weight_updates"] += 1
-        self.stats["weight_update_s"] += time.perf_counter() - t0
+        self.stats["weight_update_s"] += time.perf_counter() - t1
 
     def engine_counters(self) -> dict[str, float]:
         """The engines' running totals, summed (`ENGINE_COUNTERS` of each engine that keeps them: the embedded

@@ -339,7 +339,8 @@ def make_engines(cfg: Config, model_path: str, eos: list[int], run_dir: Path, la
         kw = dict(eos_token_ids=eos, max_batch_size=e.max_batch_size, max_seq_len=e.max_seq_len,
                   max_tokens_in_flight=e.max_tokens_in_flight, prefix_cache_size=e.prefix_cache_size,
                   kv_on_update=e.kv_on_update, attention=e.attention, weight_rounding=e.weight_rounding,
-                  cuda_graphs=e.cuda_graphs, prefill_tokens=e.prefill_tokens, kv_dtype=e.kv_dtype,
+                  stage_weights=e.stage_weights, cuda_graphs=e.cuda_graphs, prefill_tokens=e.prefill_tokens,
+                  kv_dtype=e.kv_dtype,
                   kv_cache_bytes=None if e.kv_cache_gb is None else int(e.kv_cache_gb * 1e9))
         if shared_model is not None:
             return [LocalEngine(shared_model, seed=cfg.run.seed, owns_weights=False, **kw)]

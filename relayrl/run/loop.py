@@ -127,13 +127,15 @@ def engine_metrics(before: dict[str, float], after: dict[str, float], span_s: fl
     engines were busy (summed over engines). An async producer that idles (held by the staleness bound) or runs
     thin batches shows here, not in the trainer's wait: `rollout/held_frac` is the share of the span the
     staleness bound kept it from starting groups, `rollout/weight_load_s` the seconds its engines paused to load
-    weights, `rollout/weight_pause_s` the part of those spent waiting for them to stop at a token boundary. No
+    weights, `rollout/weight_pause_s` the part of those spent waiting for them to stop at a token boundary,
+    `rollout/weight_stage_s` the seconds spent making updates ready before pausing (engines generating). No
     engine/* metrics for engines without counters (remote servers)."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     out = {}
     if "held_s" in d:  # an async producer (a sync run's weight loads are its time/weight_sync_s)
         out["rollout/weight_load_s"] = d.get("weight_update_s", 0.0)
         out["rollout/weight_pause_s"] = d.get("weight_pause_s", 0.0)
+        out["rollout/weight_stage_s"] = d.get("weight_stage_s", 0.0)
         if span_s:
             out["rollout/held_frac"] = min(1.0, d["held_s"] / span_s)
     if not d.get("steps"):

@@ -106,6 +106,7 @@ class InProcessRollouts:
         stats = self.rollout_ctl.stats
         out = self.rollout_ctl.engine_counters() | {"weight_update_s": stats["weight_update_s"],
                                                     "weight_pause_s": stats["weight_pause_s"],
+                                                    "weight_stage_s": stats["weight_stage_s"],
                                                     "version": float(self.rollout_ctl.version)}
         if self.asynchronous:
             out["held_s"] = self.env.scheduler.held_s

@@ -9,6 +9,7 @@ from device_checks import (
     check_chunked_logprobs,
     check_colocated_run,
     check_engine_logprob_parity,
+    check_staged_update,
     check_static_decode,
     check_train_step,
     check_weight_sync,
@@ -18,6 +19,8 @@ from device_checks import (
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.engine.rollout import RolloutController
+
+GREEDY_SHORT = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,6 +56,68 @@ def test_chunked_logprobs_equal_the_plain_log_softmax_on_cuda(tiny_path):
 
 def test_weight_sync_to_the_engine_on_cuda(tiny_path, tmp_path):
     check_weight_sync(tiny_path, "cuda", tmp_path)
+
+
+def test_a_busy_bf16_cuda_engine_stages_host_weights_on_the_gpu_before_pausing(tiny_path):
+    check_staged_update(tiny_path, "cuda")
+
+
+def test_staging_is_skipped_on_a_gpu_without_the_memory_for_it(tiny_path):
+    """A second copy of the weights must fit beside the KV cache: with under 256 MiB of the GPU free the update is
+    passed on as host tensors (moved and rounded with the engine paused, as without staging), and still lands."""
+    from relayrl.models import load_model
+
+    eng = LocalEngine(load_model(tiny_path, dtype="bfloat16", device="cuda"), eos_token_ids=[], max_batch_size=2)
+    host = {n: p.detach().float().cpu() for n, p in eng.model.named_parameters()}
+    hog = None
+    try:
+        eng.pause()
+        fut = eng.submit(PROMPTS[0], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info()[0]
+        hog = torch.empty(free - (128 << 20), dtype=torch.uint8, device="cuda")
+        assert all(t is host[n] for n, t in eng.stage_weights(host.items(), 1))
+        del hog
+        hog = None
+        torch.cuda.empty_cache()
+        assert all(t.is_cuda for _, t in eng.stage_weights(host.items(), 1))
+        RolloutController([eng]).update_weights(lambda: host.items(), 1)
+        assert fut.result(timeout=60).versions[-1] == 1
+    finally:
+        del hog
+        eng.close()
+
+
+def test_decode_steps_record_as_graphs_while_another_thread_copies_to_the_gpu(tiny_path):
+    """A producer stages weight updates (host -> GPU copies on its own stream) while its engine records decode steps
+    as CUDA graphs: both must go on. Recorded in torch's default capture mode, the copies failed with "operation
+    not permitted when stream is capturing" (the first GPU run of staged updates)."""
+    import threading
+
+    errors, stop = [], threading.Event()
+
+    def copy_loop() -> None:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            while not stop.is_set():
+                try:
+                    torch.ones(1 << 16).to("cuda").sum().item()
+                except Exception as e:  # noqa: BLE001 - what the test reports
+                    errors.append(e)
+                    return
+
+    eng = engine_on(tiny_path, "cuda", max_batch_size=8)
+    copier = threading.Thread(target=copy_loop)
+    copier.start()
+    try:
+        for rows in (1, 2, 3, 5, 8):  # a new batch bucket each: several recordings
+            eng.generate(PROMPTS[:rows] + PROMPTS[:max(0, rows - len(PROMPTS))], GREEDY_SHORT)
+        assert eng._static.recorded >= 3 and eng._static.failed is None
+    finally:
+        stop.set()
+        copier.join()
+        eng.close()
+    assert not errors, errors[0]
 
 
 def test_colocated_run_on_cuda(tiny_path, tmp_path):

@@ -65,6 +65,7 @@ def test_separate_staleness_bound_and_versions(tiny_path, data, tmp_path):  # no
     steps = [r for r in rows if "train/loss" in r]
     assert sum(r["rollout/weight_load_s"] for r in steps) > 0
     assert all(0.0 <= r["rollout/weight_pause_s"] <= r["rollout/weight_load_s"] for r in steps)
+    assert all(r["rollout/weight_stage_s"] >= 0.0 for r in steps)
     assert all(0.0 <= r["rollout/held_frac"] <= 1.0 for r in steps)
     assert all(r["rollout/engine_version_lag"] >= 0 for r in steps)
     assert any("eval/pass@1" in r for r in rows)  # evaluation ran in the producer, logged by the trainer

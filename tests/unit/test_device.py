@@ -9,6 +9,7 @@ from device_checks import (
     check_chunked_logprobs,
     check_colocated_run,
     check_engine_logprob_parity,
+    check_staged_update,
     check_static_decode,
     check_train_step,
     check_weight_sync,
@@ -59,6 +60,10 @@ def test_chunked_logprobs_equal_the_plain_log_softmax_on_cpu(tiny_path):
 
 def test_weight_sync_to_the_engine_on_cpu(tiny_path, tmp_path):
     check_weight_sync(tiny_path, "cpu", tmp_path)
+
+
+def test_a_busy_bf16_engine_stages_an_update_before_pausing_on_cpu(tiny_path):
+    check_staged_update(tiny_path, "cpu")
 
 
 def test_colocated_run_with_run_device_cpu(tiny_path, tmp_path):

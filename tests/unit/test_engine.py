@@ -3,6 +3,9 @@
 import asyncio
 import collections
 import concurrent.futures
+import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -169,6 +172,41 @@ def test_pause_holds_generation_until_resume(engine):
         fut.result(timeout=0.3)
     engine.resume()
     assert len(fut.result(timeout=10).output_ids) == 3
+
+
+def test_a_pause_waits_for_the_step_in_progress_only_while_other_threads_keep_the_gil_busy(model):
+    """pause() (a weight update's first move) takes the step lock between two steps. The worker never blocks
+    between its steps, so it used to take the lock straight back: with one busy Python thread in the process a
+    pause sat through up to 17 steps (3 and 7 in other runs), and a GPU producer's updates waited up to 1.8 s.
+    The worker now starts no step while someone waits for the lock: at most the step in progress ends first."""
+    eng = LocalEngine(model, eos_token_ids=[], max_batch_size=8)
+    stop, interval = threading.Event(), sys.getswitchinterval()
+
+    def busy() -> None:  # a Python thread holding the GIL between switches (an agent loop, a tokenizer)
+        while not stop.is_set():
+            sum(i * i for i in range(1000))
+
+    spinner = threading.Thread(target=busy, daemon=True)
+    futures = [eng.submit([5, 6, 7, i], SamplingParams(max_new_tokens=100_000, ignore_eos=True)) for i in range(8)]
+    sys.setswitchinterval(0.0002)  # steps of milliseconds, as on a GPU; the GIL changes hands often
+    spinner.start()
+    try:
+        while eng.stats["steps"] < 5:
+            time.sleep(0.01)
+        during = []
+        for _ in range(30):
+            before = eng.stats["steps"]
+            eng.pause()
+            during.append(eng.stats["steps"] - before)
+            eng.resume()
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        eng.abort()
+        eng.close()
+    assert max(during) <= 1, during
+    assert all(f.result(timeout=10).finish_reason == "abort" for f in futures)
 
 
 def test_bad_requests_fail_clearly(engine):
