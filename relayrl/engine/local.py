@@ -7,7 +7,7 @@ batched forward over a slot KV cache. Finished sequences leave the batch at once
 group does not hold short ones hostage.
 
 Weight updates and pauses take effect between steps (at a token boundary): `update_weights` takes
-the step lock (the worker starts no step while a caller waits for it), so no forward ever mixes two
+the step lock (callers waiting for it go before the worker's next step), so no forward ever mixes two
 policies, and every token is stamped with the version of the weights that sampled it. Running
 sequences then continue with the new weights (partial rollout); with kv_on_update="recompute" their
 KV cache is first rebuilt under the new weights.
@@ -113,7 +113,8 @@ class LocalEngine:
         self._active: list[Seq] = []  # index = KV slot
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()  # held by the worker for each step, by others via _between_steps
-        self._callers = 0  # threads waiting in _between_steps: the worker starts no step meanwhile
+        # callers of _between_steps that arrived / were served: a step waits for those who arrived before it
+        self._arrived = self._served = 0
         self._paused = False
         self._closed = False
         self._version = 0
@@ -264,17 +265,19 @@ class LocalEngine:
 
     @contextlib.contextmanager
     def _between_steps(self) -> Iterator[None]:
-        """The step lock, for a caller, between two of the worker's steps. The worker starts no step while a caller
-        waits here: it never blocks between its steps, so it took the lock straight back after each one, and a
-        caller got it only when the OS woke it in that gap (with a few busy Python threads, seconds later)."""
+        """The step lock, for a caller, between two of the worker's steps. The worker lets every caller that
+        arrived before its next step go first: it never blocks between its steps, so it used to take the lock
+        straight back after each one, and a caller got it only when the OS woke it in that gap (with a few busy
+        Python threads, seconds later). Callers arriving meanwhile wait for that step: a flood of them (a client
+        aborting in a loop) cannot stop generation."""
         with self._cond:
-            self._callers += 1
+            self._arrived += 1
         try:
             with self._step_lock:
                 yield
         finally:
             with self._cond:
-                self._callers -= 1
+                self._served += 1
                 self._cond.notify()
 
     def pause(self) -> None:
@@ -340,7 +343,9 @@ class LocalEngine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and (self._paused or self._callers or not (self._waiting or self._active)):
+                ahead = self._arrived  # callers waiting now go before this step; later ones wait for it
+                while not self._closed and (self._paused or self._served < ahead
+                                            or not (self._waiting or self._active)):
                     self._cond.wait()
                 if self._closed:
                     return

@@ -178,7 +178,7 @@ def test_a_pause_waits_for_the_step_in_progress_only_while_other_threads_keep_th
     """pause() (a weight update's first move) takes the step lock between two steps. The worker never blocks
     between its steps, so it used to take the lock straight back: with one busy Python thread in the process a
     pause sat through up to 17 steps (3 and 7 in other runs), and a GPU producer's updates waited up to 1.8 s.
-    The worker now starts no step while someone waits for the lock: at most the step in progress ends first."""
+    The worker now lets callers already waiting go before its next step: at most the step in progress ends first."""
     eng = LocalEngine(model, eos_token_ids=[], max_batch_size=8)
     stop, interval = threading.Event(), sys.getswitchinterval()
 
@@ -206,6 +206,38 @@ def test_a_pause_waits_for_the_step_in_progress_only_while_other_threads_keep_th
         eng.abort()
         eng.close()
     assert max(during) <= 1, during
+    assert all(f.result(timeout=10).finish_reason == "abort" for f in futures)
+
+
+def test_a_flood_of_callers_between_steps_does_not_stop_generation(model):
+    """Callers waiting for the step lock go before the worker's next step, but only those already waiting: four
+    threads calling flush_cache() in a loop (a client aborting in a loop) leave the engine stepping. Giving every
+    caller priority while any waited stopped it outright (0 steps in a second, against ~300 alone)."""
+    eng = LocalEngine(model, eos_token_ids=[], max_batch_size=8)
+    stop, calls = threading.Event(), []
+
+    def flood() -> None:
+        while not stop.is_set():
+            eng.flush_cache()
+            calls.append(1)
+
+    futures = [eng.submit([5, 6, 7, i], SamplingParams(max_new_tokens=100_000, ignore_eos=True)) for i in range(8)]
+    threads = [threading.Thread(target=flood) for _ in range(4)]
+    try:
+        while eng.stats["steps"] < 5:
+            time.sleep(0.01)
+        for t in threads:
+            t.start()
+        before = eng.stats["steps"]
+        time.sleep(1.0)
+        stepped = eng.stats["steps"] - before
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        eng.abort()
+        eng.close()
+    assert stepped >= 20 and len(calls) >= 20, (stepped, len(calls))
     assert all(f.result(timeout=10).finish_reason == "abort" for f in futures)
 
 
