@@ -88,6 +88,8 @@ class EngineWeights:
         staged = list(named)
         cuda = device.type == "cuda"
         caller, stream = (torch.cuda.current_stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
+        if cuda:  # GPU sources (a colocated trainer's weights) may still be written by the caller's queued kernels
+            stream.wait_stream(caller)
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             for i, dst, seed in todo:
                 name, t = named[i]

@@ -62,6 +62,35 @@ def test_a_busy_bf16_cuda_engine_stages_host_weights_on_the_gpu_before_pausing(t
     check_staged_update(tiny_path, "cuda")
 
 
+def test_staging_a_gpu_update_waits_for_the_kernels_that_write_it(tiny_path):
+    """A colocated trainer's fp32 weights on the GPU, still being written by kernels queued on the caller's stream
+    (behind a 50 ms GPU sleep here), are staged on a side stream: it must wait for them, or it rounds the old
+    values. The staged engine ends bit for bit where an unstaged one ends."""
+    from relayrl.models import load_model
+
+    engines = [LocalEngine(load_model(tiny_path, dtype="bfloat16", device="cuda"), eos_token_ids=[],
+                           max_batch_size=2, stage_weights=stage) for stage in (True, False)]
+    target = {n: p.detach().float() + 1e-2 for n, p in engines[0].model.named_parameters()}
+    try:
+        engines[0].pause()
+        fut = engines[0].submit(PROMPTS[0], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        src = {n: torch.zeros_like(t) for n, t in target.items()}
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)  # the caller's stream is busy ~50 ms before the writes below run
+        for n, t in src.items():
+            t.copy_(target[n])
+        staged = engines[0].stage_weights(src.items(), 1)
+        assert all(t.dtype == torch.bfloat16 for _, t in staged)
+        RolloutController([engines[0]]).update_weights(lambda: staged, 1)
+        RolloutController([engines[1]]).update_weights(lambda: target.items(), 1)
+        for (name, a), (_, b) in zip(engines[0].model.named_parameters(), engines[1].model.named_parameters()):
+            assert torch.equal(a, b), name
+        assert fut.result(timeout=60).versions[-1] == 1
+    finally:
+        for e in engines:
+            e.close()
+
+
 def test_staging_is_skipped_on_a_gpu_without_the_memory_for_it(tiny_path):
     """A second copy of the weights must fit beside the KV cache: with under 256 MiB of the GPU free the update is
     passed on as host tensors (moved and rounded with the engine paused, as without staging), and still lands."""
