@@ -83,24 +83,23 @@ class EngineWeights:
         if not todo:
             return named
         device = todo[0][1].device
-        if device.type == "cuda" and not _fits_on_gpu(device, [(named[i][1], dst) for i, dst, _ in todo]):
-            return named
-        staged = list(named)
         cuda = device.type == "cuda"
+        if cuda and not _fits_on_gpu(device, [(named[i][1], dst) for i, dst, _ in todo]):
+            return named
         caller, stream = (torch.cuda.current_stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
         if cuda:  # GPU sources (a colocated trainer's weights) may still be written by the caller's queued kernels
             stream.wait_stream(caller)
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-            for i, dst, seed in todo:
+            for i, dst, seed in todo:  # `named` is this call's own list: staged tensors replace their sources
                 name, t = named[i]
                 out = torch.empty(t.shape, dtype=dst.dtype, device=dst.device)
                 self._copy(out, t, seed)
                 if cuda:  # read by the caller's stream in `write`: not reused before that copy is done
                     out.record_stream(caller)
-                staged[i] = (name, out)
+                named[i] = (name, out)
         if cuda:
             stream.synchronize()
-        return staged
+        return named
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, seed: int) -> None:
         """dst <- src; fp32 into bf16 rounds stochastically unless rounding="nearest". The seed is a function of
