@@ -8,6 +8,8 @@ and (relayrl only) the weight sync to its inference engine. Each side runs in it
 
     .venv/bin/python bench/grpo_step_vs_trl.py            # full run (SmolLM2-135M-Instruct, 8x8, 128 tokens)
     .venv/bin/python bench/grpo_step_vs_trl.py --quick    # smoke run on the tiny random model (< 60 s)
+    python bench/grpo_step_vs_trl.py --device cuda        # on a GPU: relayrl's engine (CUDA graphs) and trainer vs
+                                                          # TRL's HF generate + Trainer, both on the GPU
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {','.join(SIDES)}")
     p.add_argument("--seed", type=int, default=0, help="run seed and reasoning-gym dataset seed")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads on both sides")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both sides generate and train")
     p.add_argument("--trl-micro-batch", type=int, default=8,
                    help="TRL per_device_train_batch_size; gradient_accumulation = prompts*group / this")
     p.add_argument("--relayrl-checkpointing", choices=["false", "true"], default="false",
@@ -96,7 +99,7 @@ def run_relayrl(a, tmp: str) -> dict:
                  f"data.group_size={a.group}", "data.shuffle=false", f"train.lr={LR}",
                  "eval.at_start=false", "eval.at_end=false", "run.tensorboard=false", f"run.output_dir={tmp}",
                  "run.name=bench", f"run.seed={a.seed}", f"run.threads={a.threads}", f"run.steps={a.steps + 1}",
-                 "run.print_samples=0"]
+                 "run.print_samples=0", f"run.device={a.device}"]
     c = build(load_run_config(None, overrides))
     steps = []
     try:
@@ -165,7 +168,7 @@ def run_trl(a, tmp: str, bf16: bool) -> dict:
 
     total = a.prompts * a.group
     args = GRPOConfig(
-        output_dir=tmp, use_cpu=True, bf16=bf16, fp16=False, seed=a.seed, data_seed=a.seed,
+        output_dir=tmp, use_cpu=a.device == "cpu", bf16=bf16, fp16=False, seed=a.seed, data_seed=a.seed,
         use_vllm=False, gradient_checkpointing=False,  # TRL defaults to True; relayrl's default is off
         num_generations=a.group, per_device_train_batch_size=a.trl_micro_batch,
         gradient_accumulation_steps=total // a.trl_micro_batch,  # generation_batch_size = micro * accum = total
@@ -212,6 +215,8 @@ def run_side(a) -> None:
         res = run_relayrl(a, tmp) if a.side == "relayrl" else run_trl(a, tmp, bf16=a.side == "trl_bf16")
     res["threads"] = torch.get_num_threads()
     res["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 3)  # Linux: KiB
+    if a.device == "cuda":
+        res["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
     _common.write_json(a.result_file, res)
 
 
@@ -220,7 +225,7 @@ def child(a, side: str, model: str) -> dict:
     args = ["--side", side, "--model", model, "--prompts", str(a.prompts), "--group", str(a.group),
             "--max-new-tokens", str(a.max_new_tokens), "--temperature", str(a.temperature), "--steps", str(a.steps),
             "--seed", str(a.seed), "--threads", str(a.threads), "--trl-micro-batch", str(a.trl_micro_batch),
-            "--relayrl-checkpointing", a.relayrl_checkpointing]
+            "--relayrl-checkpointing", a.relayrl_checkpointing, "--device", a.device]
     t0 = time.perf_counter()
     res = _common.run_child(__file__, args, f"side {side}",
                             {"TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": str(a.threads)})
@@ -249,6 +254,7 @@ def summarize(a, runs: list[dict]) -> dict:
            "optimizer_steps_per_step": sorted({s["optimizer_steps"] for r in runs for s in r["steps"]}),
            "threads": sorted({r["threads"] for r in runs}), "process_s": [r["process_s"] for r in runs],
            "peak_rss_gb": max(r.get("peak_rss_gb", 0.0) for r in runs),
+           "peak_gpu_gb": max((r["peak_gpu_gb"] for r in runs if "peak_gpu_gb" in r), default=None),
            "settings": runs[0]["settings"], "prompts_sha_per_step": [s["prompts_sha"] for s in runs[0]["steps"]]}
     if "weight_sync_s" in measured[0]:
         out["weight_sync_s_median"] = statistics.median(s["weight_sync_s"] for s in measured)
@@ -264,6 +270,10 @@ def main() -> None:
     if any(s.startswith("trl") for s in a.sides) and importlib.util.find_spec("trl") is None:
         sys.exit("error: the trl sides need TRL: .venv/bin/pip install '.[bench]' (or --sides relayrl)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"error: --device cuda, but torch {torch.__version__} sees no GPU (CUDA build: {torch.version.cuda})")
     from relayrl.models import resolve_model_path, tiny_model
 
     model = str(tiny_model()) if a.quick else resolve_model_path(a.model)
@@ -287,7 +297,8 @@ def main() -> None:
                            "samples_per_step": a.prompts * a.group, "max_new_tokens": a.max_new_tokens,
                            "temperature": a.temperature, "lr": LR,
                            "warmup_steps": 1, "measured_steps": a.steps, "rounds": a.rounds, "seed": a.seed,
-                           "threads": a.threads, "dataset": {"task": "basic_arithmetic", "seed": a.seed, **DATA_KW}},
+                           "threads": a.threads, "device": a.device,
+                           "dataset": {"task": "basic_arithmetic", "seed": a.seed, **DATA_KW}},
               "checks": {"loadavg_1min_at_start": load,
                          "same_prompts_every_step": len({json.dumps(v) for v in shas.values()}) == 1,
                          "prompts_sha_per_step": shas}}

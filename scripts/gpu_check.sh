@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check: on a machine with CUDA, run the GPU tests (pytest -m gpu: engine logprob parity, a train step, weight
-# sync, a colocated run, all on the tiny random model), the rollout and train-step benches on the GPU, a short
+# sync, a colocated run, all on the tiny random model), the rollout and train-step benches on the GPU, one GRPO step
+# against TRL's GRPOTrainer on the GPU (where TRL is installed), a short
 # GSM8K GRPO run through the CLI on the GPU and the decode-step probes (bench/engine_step_parts.py with the engine's
 # CUDA graphs and without, bench/decode_profile.py with and without SDPA's cuDNN backend; the rollout bench has a
 # graph-less LocalEngine side too) and, with real weights, time to accuracy sync vs async, writing
@@ -60,6 +61,13 @@ step decode_profile 120 bash -c "'$PY' bench/decode_profile.py '$MODEL' cuda > b
 step rollout 400 "$PY" bench/rollout.py --device cuda --sides local,local_eager,hf --model "$MODEL" \
     --out bench/results/gpu_rollout.json
 step train_step 300 "$PY" bench/train_step.py --device cuda --model "$MODEL" --out bench/results/gpu_train_step.json
+# one GRPO step, relayrl vs TRL's GRPOTrainer (HF generate), both on the GPU: only where TRL is installed
+if "$PY" -c 'import trl' 2>/dev/null; then
+    step grpo_step_vs_trl 400 "$PY" bench/grpo_step_vs_trl.py --device cuda --model "$MODEL" --steps 3 \
+        --out bench/results/gpu_grpo_step_vs_trl.json
+else
+    echo "gpu_check: grpo_step_vs_trl skipped (needs TRL: pip install '.[bench]')"
+fi
 step grpo_run 300 "$PY" -m relayrl train --config examples/gsm8k_grpo.yaml model.path="$MODEL" run.device=cuda \
     run.steps=4 eval.at_start=false eval.at_end=false run.output_dir="$run_dir" run.tensorboard=false
 [ -f "$run_dir"/gsm8k_grpo/metrics.jsonl ] && cp "$run_dir"/gsm8k_grpo/metrics.jsonl bench/results/gpu_grpo_run.jsonl
