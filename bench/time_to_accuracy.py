@@ -49,6 +49,9 @@ NOTES = {
     "stderr": "binomial standard error of pass@1 over the eval samples (prompts x eval.n)",
     "async_eval": "relayrl async: the producer keeps generating during an eval (at most max_staleness batches "
                   "ahead), so eval time is excluded but that generation is kept",
+    "time_at_equal_steps": "*_time_at_equal_steps: the same ratio of training seconds at each eval step both sides "
+                           "reached (step -> ratio), the steadier reading when the sides cross the target at "
+                           "different evals",
     "bounds": "a ratio whose side did not reach the target within its budget is a bound (kind lower_bound / "
               "upper_bound, text in *_bound); null when neither side reached it",
 }
@@ -273,9 +276,20 @@ def ratio(num: dict | None, den: dict | None, key: str, total: str) -> dict:
     return {"value": None, "kind": "undetermined", "bound": None}
 
 
+def ratios_by_step(num: dict | None, den: dict | None) -> dict[str, float]:
+    """num / den of training seconds at every eval step both curves have (step 0 excluded). Time to target moves by a
+    whole eval interval when one side crosses an eval early or late; the ratio at equal steps does not."""
+    if num is None or den is None:
+        return {}
+    den_s = {p["step"]: p["wall_s_excl_eval"] for p in den.get("curve", ())}
+    return {str(p["step"]): p["wall_s_excl_eval"] / den_s[p["step"]] for p in num.get("curve", ())
+            if p["step"] > 0 and den_s.get(p["step"], 0) > 0}
+
+
 def ratios(m: dict) -> dict:
     out = {}
     for name, num, den in (("async_vs_sync", "sync", "async"), ("relayrl_vs_trl", "trl", "sync")):
+        out[f"{name}_time_at_equal_steps"] = ratios_by_step(m.get(num), m.get(den))
         for what, key, total in (("time", "time_to_target_s", "wall_s_excl_eval_total"),
                                  ("samples", "samples_to_target", "samples_trained")):
             r = ratio(m.get(num), m.get(den), key, total)

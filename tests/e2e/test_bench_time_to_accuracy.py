@@ -151,6 +151,17 @@ def test_ratios_name_sync_over_async_and_trl_over_sync():
     assert r["relayrl_vs_trl_samples_to_acc_bound"] == ">= 1.5"
 
 
+def test_ratios_at_equal_steps_compare_the_steps_both_sides_reached():
+    curve = lambda *walls: [{"step": 5 * i, "wall_s_excl_eval": w} for i, w in enumerate(walls)]
+    m = {"sync": {**side(40, 40), "curve": curve(0, 25, 40)},  # crossed at step 10
+         "async": {**side(27, 27), "curve": curve(0, 16, 22, 27)},  # crossed at step 15
+         "trl": {**side(None, 600), "curve": curve(0, 100, 200, 300)}}
+    r = tta.ratios(m)
+    assert r["async_vs_sync_time_at_equal_steps"] == {"5": 25 / 16, "10": 40 / 22}
+    assert r["relayrl_vs_trl_time_at_equal_steps"] == {"5": 4.0, "10": 5.0}
+    assert tta.ratios({"sync": m["sync"]})["async_vs_sync_time_at_equal_steps"] == {}
+
+
 def test_stop_rule_fires_at_target_then_budget():
     a = tta.parse_args(["--target", "0.5", "--budget-min", "1"])
     stop = tta.stop_rule(a)
