@@ -47,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="run seed and reasoning-gym dataset seed")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads on both sides")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both sides generate and train")
+    p.add_argument("--fixed-length", action="store_true",
+                   help="every answer exactly --max-new-tokens long on both sides (relayrl sampling.ignore_eos, TRL "
+                        "min_new_tokens): steps compared at equal work, whatever each side happens to sample")
     p.add_argument("--trl-micro-batch", type=int, default=8,
                    help="TRL per_device_train_batch_size; gradient_accumulation = prompts*group / this")
     p.add_argument("--relayrl-checkpointing", choices=["false", "true"], default="false",
@@ -99,7 +102,7 @@ def run_relayrl(a, tmp: str) -> dict:
                  f"data.group_size={a.group}", "data.shuffle=false", f"train.lr={LR}",
                  "eval.at_start=false", "eval.at_end=false", "run.tensorboard=false", f"run.output_dir={tmp}",
                  "run.name=bench", f"run.seed={a.seed}", f"run.threads={a.threads}", f"run.steps={a.steps + 1}",
-                 "run.print_samples=0", f"run.device={a.device}"]
+                 "run.print_samples=0", f"run.device={a.device}", f"sampling.ignore_eos={a.fixed_length}"]
     c = build(load_run_config(None, overrides))
     steps = []
     try:
@@ -175,7 +178,8 @@ def run_trl(a, tmp: str, bf16: bool) -> dict:
         num_iterations=1, max_completion_length=a.max_new_tokens, temperature=a.temperature, top_p=1.0, top_k=0,
         beta=0.0, learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
         max_steps=a.steps + 1, shuffle_dataset=False, report_to="none", save_strategy="no", eval_strategy="no",
-        logging_strategy="no", disable_tqdm=True, log_completions=False, dataloader_num_workers=0)
+        logging_strategy="no", disable_tqdm=True, log_completions=False, dataloader_num_workers=0,
+        generation_kwargs={"min_new_tokens": a.max_new_tokens} if a.fixed_length else None)
     assert args.generation_batch_size == total and args.steps_per_generation == args.gradient_accumulation_steps
     timer = StepTimer()
     trainer = GRPOTrainer(model=a.model, reward_funcs=math_reward_fn, args=args, train_dataset=ds,
@@ -225,7 +229,8 @@ def child(a, side: str, model: str) -> dict:
     args = ["--side", side, "--model", model, "--prompts", str(a.prompts), "--group", str(a.group),
             "--max-new-tokens", str(a.max_new_tokens), "--temperature", str(a.temperature), "--steps", str(a.steps),
             "--seed", str(a.seed), "--threads", str(a.threads), "--trl-micro-batch", str(a.trl_micro_batch),
-            "--relayrl-checkpointing", a.relayrl_checkpointing, "--device", a.device]
+            "--relayrl-checkpointing", a.relayrl_checkpointing, "--device", a.device,
+            *(["--fixed-length"] if a.fixed_length else [])]
     t0 = time.perf_counter()
     res = _common.run_child(__file__, args, f"side {side}",
                             {"TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": str(a.threads)})
@@ -297,7 +302,7 @@ def main() -> None:
                            "samples_per_step": a.prompts * a.group, "max_new_tokens": a.max_new_tokens,
                            "temperature": a.temperature, "lr": LR,
                            "warmup_steps": 1, "measured_steps": a.steps, "rounds": a.rounds, "seed": a.seed,
-                           "threads": a.threads, "device": a.device,
+                           "threads": a.threads, "device": a.device, "fixed_length": a.fixed_length,
                            "dataset": {"task": "basic_arithmetic", "seed": a.seed, **DATA_KW}},
               "checks": {"loadavg_1min_at_start": load,
                          "same_prompts_every_step": len({json.dumps(v) for v in shas.values()}) == 1,

@@ -115,7 +115,7 @@ class RecordingBackend:
                                                  or s.max_new_tokens),
                               temperature=float(body.get("temperature", s.temperature)),
                               top_p=float(body.get("top_p", s.top_p)), top_k=s.top_k,
-                              stop_token_ids=s.stop_token_ids, seed=body.get("seed"))
+                              stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, seed=body.get("seed"))
 
     async def chat(self, body: dict[str, Any], sid: str | None) -> dict[str, Any]:
         if sid not in self.sessions:

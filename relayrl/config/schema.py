@@ -162,6 +162,9 @@ class SamplingConfig:
     top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this much probability (1: off)
     top_k: int = 0  # sample among the k most likely tokens (0: off)
     stop_token_ids: list[int] = field(default_factory=list)  # extra tokens that end a generation (eos always does)
+    # generate exactly max_new_tokens, past eos (vLLM's ignore_eos): fixed lengths for benchmarks; the samples, and
+    # what is trained, then go on past the answer
+    ignore_eos: bool = False
 
     def validate(self) -> None:
         check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")

@@ -108,7 +108,7 @@ def sampling_params(cfg: Config, temperature: float | None = None) -> SamplingPa
     s = cfg.sampling
     t = s.temperature if temperature is None else temperature
     return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=t, top_p=s.top_p if t else 1.0,
-                          top_k=s.top_k if t else 0, stop_token_ids=tuple(s.stop_token_ids))
+                          top_k=s.top_k if t else 0, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
 
 
 ROLES = ("colocated", "eval", "producer", "trainer")

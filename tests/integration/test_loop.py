@@ -64,6 +64,20 @@ def test_two_training_steps_on_tiny_model(tiny_path, dataset, tmp_path):
     assert png.stat().st_size > 5000
 
 
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_sampling_ignore_eos_generates_up_to_the_cap(ignore_eos, tiny_path, dataset, tmp_path):
+    cfg = load_run_config(None, overrides(tiny_path, dataset, tmp_path, **{"sampling.ignore_eos": ignore_eos}))
+    c = build(cfg)
+    try:
+        engine = c.rollout_ctl.engines[0]
+        engine.eos_token_ids = frozenset(range(engine.model.config.vocab_size))  # any token would end a sample
+        c.env.produce_batch(c.data, 2)
+        lengths = {len(s.response_ids) for s in c.data.get_batch()}
+    finally:
+        c.close()
+    assert lengths == ({12} if ignore_eos else {1})
+
+
 def test_failing_and_hanging_agents_cost_one_sample_each(tiny_path, dataset, tmp_path, caplog):
     cfg = load_run_config(None, overrides(tiny_path, dataset, tmp_path, **{
         "agent.kind": "agents_for_tests:FlakyAgent", "agent.timeout": 1.0, "run.steps": 1, "eval.at_start": False,
