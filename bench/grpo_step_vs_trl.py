@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both sides generate and train")
     p.add_argument("--fixed-length", action="store_true",
                    help="every answer exactly --max-new-tokens long on both sides (relayrl sampling.ignore_eos, TRL "
-                        "min_new_tokens): steps compared at equal work, whatever each side happens to sample")
+                        "min_new_tokens): steps compared at equal lengths, whatever each side happens to sample")
     p.add_argument("--trl-micro-batch", type=int, default=8,
                    help="TRL per_device_train_batch_size; gradient_accumulation = prompts*group / this")
     p.add_argument("--relayrl-checkpointing", choices=["false", "true"], default="false",
