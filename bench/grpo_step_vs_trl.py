@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, help="rounds of one subprocess per side, sides alternating")
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {','.join(SIDES)}")
     p.add_argument("--seed", type=int, default=0, help="run seed and reasoning-gym dataset seed")
+    p.add_argument("--seeds", help="comma-separated seeds, each a full comparison on its own prompts and samples "
+                                   "(answer lengths are sampled and move one seed's ratio: report the median)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads on both sides")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both sides generate and train")
     p.add_argument("--fixed-length", action="store_true",
@@ -62,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.quick:
         a.prompts, a.group, a.max_new_tokens, a.steps = 2, 2, 16, 1
     a.sides = [s.strip() for s in a.sides.split(",") if s.strip()]
+    try:
+        a.seeds = [int(x) for x in a.seeds.split(",") if x.strip()] if a.seeds else [a.seed]
+    except ValueError:
+        p.error(f"--seeds must be comma-separated integers, got {a.seeds!r}")
     if bad := [s for s in a.sides if s not in SIDES]:
         p.error(f"unknown sides {bad}; choose from {SIDES}")
     total = a.prompts * a.group
@@ -225,7 +231,8 @@ def run_side(a) -> None:
 
 
 # ---- driver ------------------------------------------------------------------------------------------------
-def child(a, side: str, model: str) -> dict:
+def child(a, side: str, model: str, seed: int) -> dict:
+    a = argparse.Namespace(**{**vars(a), "seed": seed})
     args = ["--side", side, "--model", model, "--prompts", str(a.prompts), "--group", str(a.group),
             "--max-new-tokens", str(a.max_new_tokens), "--temperature", str(a.temperature), "--steps", str(a.steps),
             "--seed", str(a.seed), "--threads", str(a.threads), "--trl-micro-batch", str(a.trl_micro_batch),
@@ -268,6 +275,37 @@ def summarize(a, runs: list[dict]) -> dict:
     return out
 
 
+def compare(a, runs: dict[str, list[dict]]) -> dict:
+    """Per-side summaries of `runs` (one seed's, or every seed's pooled) and relayrl's ratios to TRL's sides."""
+    metrics = {s: summarize(a, rs) for s, rs in runs.items()}
+    ratio = lambda s: metrics["relayrl"]["samples_per_s"] / metrics[s]["samples_per_s"] if s in metrics else None
+    trl_sides = [s for s in ("trl", "trl_bf16") if s in metrics]
+    fastest = max(trl_sides, key=lambda s: metrics[s]["samples_per_s"], default=None)
+    ours = "relayrl" in metrics
+    ratios = {"relayrl_vs_trl_samples_per_s": ratio(fastest) if ours and fastest else None,
+              "relayrl_vs_trl_fp32_samples_per_s": ratio("trl") if ours else None,
+              "relayrl_vs_trl_bf16_samples_per_s": ratio("trl_bf16") if ours else None,
+              "trl_reference_side": fastest,
+              # per generated token: takes out the answers' lengths, which sampling sets differently per side
+              "relayrl_vs_trl_generated_tokens_per_s": (metrics["relayrl"]["generated_tokens_per_s"]
+                                                        / metrics[fastest]["generated_tokens_per_s"]
+                                                        if ours and fastest else None)}
+    shas = {s: m.pop("prompts_sha_per_step") for s, m in metrics.items()}
+    return {"metrics": metrics, "ratios": ratios, "prompts_sha_per_step": shas,
+            "same_prompts_every_step": len({json.dumps(v) for v in shas.values()}) == 1}
+
+
+def over_seeds(per_seed: list[dict]) -> dict:
+    """Each ratio seed by seed and its median: one seed's prompts and sampled lengths can favour either side, so
+    the median over seeds is the reading to quote (the pooled ratio weighs seeds by their steps' times)."""
+    out = {}
+    for key in [k for k in per_seed[0] if k.endswith("_per_s")]:
+        values = [r[key] for r in per_seed]
+        if None not in values:
+            out[f"{key}_by_seed"], out[f"{key}_median_over_seeds"] = values, statistics.median(values)
+    return out
+
+
 def main() -> None:
     a = parse_args()
     if a.side:
@@ -283,30 +321,27 @@ def main() -> None:
 
     model = str(tiny_model()) if a.quick else resolve_model_path(a.model)
     load = _common.load_before_run()
-    runs: dict[str, list[dict]] = {s: [] for s in a.sides}
-    for r in range(a.rounds):
-        for side in a.sides:
-            print(f"[round {r + 1}/{a.rounds}] {side} ...", file=sys.stderr, flush=True)
-            runs[side].append(child(a, side, model))
-    metrics = {s: summarize(a, rs) for s, rs in runs.items()}
-    ratio = lambda s: metrics["relayrl"]["samples_per_s"] / metrics[s]["samples_per_s"] if s in metrics else None
-    trl_sides = [s for s in ("trl", "trl_bf16") if s in metrics]
-    fastest = max(trl_sides, key=lambda s: metrics[s]["samples_per_s"], default=None)
-    ratios = {"relayrl_vs_trl_samples_per_s": ratio(fastest) if "relayrl" in metrics and fastest else None,
-              "relayrl_vs_trl_fp32_samples_per_s": ratio("trl") if "relayrl" in metrics else None,
-              "relayrl_vs_trl_bf16_samples_per_s": ratio("trl_bf16") if "relayrl" in metrics else None,
-              "trl_reference_side": fastest}
-    shas = {s: m.pop("prompts_sha_per_step") for s, m in metrics.items()}
-    result = {**_common.result_header("grpo_step_vs_trl"), "metrics": metrics, "ratios": ratios,
+    runs: dict[int, dict[str, list[dict]]] = {seed: {s: [] for s in a.sides} for seed in a.seeds}
+    for seed in a.seeds:
+        for r in range(a.rounds):
+            for side in a.sides:
+                print(f"[seed {seed}, round {r + 1}/{a.rounds}] {side} ...", file=sys.stderr, flush=True)
+                runs[seed][side].append(child(a, side, model, seed))
+    by_seed = {seed: compare(a, rs) for seed, rs in runs.items()}
+    pooled = compare(a, {s: [r for rs in runs.values() for r in rs[s]] for s in a.sides})
+    ratios = {**pooled["ratios"], **over_seeds([b["ratios"] for b in by_seed.values()])}
+    result = {**_common.result_header("grpo_step_vs_trl"), "metrics": pooled["metrics"], "ratios": ratios,
+              "by_seed": {str(seed): b for seed, b in by_seed.items()},
               "workload": {"model": model, "prompts": a.prompts, "group": a.group,
                            "samples_per_step": a.prompts * a.group, "max_new_tokens": a.max_new_tokens,
                            "temperature": a.temperature, "lr": LR,
-                           "warmup_steps": 1, "measured_steps": a.steps, "rounds": a.rounds, "seed": a.seed,
+                           "warmup_steps": 1, "measured_steps": a.steps, "rounds": a.rounds, "seeds": a.seeds,
                            "threads": a.threads, "device": a.device, "fixed_length": a.fixed_length,
-                           "dataset": {"task": "basic_arithmetic", "seed": a.seed, **DATA_KW}},
+                           "dataset": {"task": "basic_arithmetic", "seeds": a.seeds, **DATA_KW}},
               "checks": {"loadavg_1min_at_start": load,
-                         "same_prompts_every_step": len({json.dumps(v) for v in shas.values()}) == 1,
-                         "prompts_sha_per_step": shas}}
+                         "same_prompts_every_step": all(b["same_prompts_every_step"] for b in by_seed.values()),
+                         "prompts_sha_per_step": {str(seed): b.pop("prompts_sha_per_step")
+                                                  for seed, b in by_seed.items()}}}
     print(json.dumps(result, indent=2))
     _common.write_json(a.out, result)
 

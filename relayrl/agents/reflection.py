@@ -13,8 +13,12 @@ and the turn-level discount gamma is applied in one of two ways:
 
 Feedback may name the answer it rejects: a `{answer}` in the feedback text becomes the answer the turn committed
 to (its last \\boxed{}, else its last number; "nothing" when there is none), so the retry knows what to move
-away from. Each sample records `retries` and `repeats` (retries whose answer equals an earlier turn's): a wrong
-retry that repeats itself has learned nothing from the feedback, and `repeat_penalty` (subtracted from such a
+away from. A `{question}` becomes the row's question, restated after the rejected attempt: a small model answers
+worse with its own wrong attempt in context than afresh (docs/benchmarks.md), and with the question restated the
+retry ends in the same words as a first attempt, so what training teaches the first turn can carry to the retries.
+
+Each sample records `retries` and `repeats` (retries whose answer equals an earlier turn's): a wrong retry that
+repeats itself has learned nothing from the feedback, and `repeat_penalty` (subtracted from such a
 turn's r_t) tells the policy that repeating is worse than trying something else. Measured on SmolLM2-135M
 (docs/benchmarks.md): training raised the share of retries that repeat, so the penalty is there to push back.
 
@@ -41,6 +45,7 @@ Measured on SmolLM2-135M (docs/benchmarks.md): 20 steps at p = 1 raised recovery
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Any
 
 from relayrl.agents.base import Agent
@@ -52,6 +57,8 @@ from relayrl.sample import Sample, Status
 
 DEFAULT_FEEDBACK = "Your answer is either wrong or could not be parsed. Please reflect on it and try again."
 ANSWER_FIELD = "{answer}"  # replaced in the feedback text; every other brace is literal (\\boxed{})
+QUESTION_FIELD = "{question}"  # replaced by the row's question
+_FIELDS = re.compile(re.escape(ANSWER_FIELD) + "|" + re.escape(QUESTION_FIELD))
 PLANTED_OFFSETS = (-10, -2, -1, 1, 2, 10)  # wrong values near the right one: slips a small model makes
 
 
@@ -84,7 +91,7 @@ class ReflectionAgent(Agent):
         self.max_total_tokens = max_total_tokens
         self.eot = end_of_turn_id(tokenizer)
         self.feedback = feedback
-        self.feedback_varies = ANSWER_FIELD in feedback
+        self.feedback_varies = ANSWER_FIELD in feedback or QUESTION_FIELD in feedback
         self.feedback_ids = continuation_ids(tokenizer, [{"role": "user", "content": feedback}])
 
     @classmethod
@@ -114,7 +121,7 @@ class ReflectionAgent(Agent):
             successes.append(0.0)
         for turn in range(len(answers), self.max_turns):
             if answers:  # after a wrong answer: feedback, then the retry
-                feedback = self.feedback_for(answers[-1])
+                feedback = self.feedback_for(answers[-1], sample.data.get("question", ""))
                 if self._out_of_room(sample, len(feedback)):
                     break
                 if sample.response_ids[-1] != self.eot:  # cut at the token limit: close the turn as the template would
@@ -158,11 +165,12 @@ class ReflectionAgent(Agent):
         sample.append_context(self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eot])
         return wrong
 
-    def feedback_for(self, answer: str | None) -> list[int]:
-        """Feedback token ids after a wrong turn (the fixed ids unless the text names the answer)."""
+    def feedback_for(self, answer: str | None, question: str = "") -> list[int]:
+        """Feedback token ids after a wrong turn (the fixed ids unless the text names the answer or question)."""
         if not self.feedback_varies:
             return self.feedback_ids
-        text = self.feedback.replace(ANSWER_FIELD, answer if answer is not None else "nothing")
+        values = {ANSWER_FIELD: answer if answer is not None else "nothing", QUESTION_FIELD: question}
+        text = _FIELDS.sub(lambda m: values[m.group(0)], self.feedback)  # one pass: values are never re-read
         return continuation_ids(self.tokenizer, [{"role": "user", "content": text}])
 
     def _out_of_room(self, sample: Sample, feedback_len: int) -> bool:

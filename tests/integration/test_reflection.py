@@ -203,6 +203,28 @@ def test_feedback_names_the_rejected_answer(parts):
     assert "Wrong: put it in \\boxed{} {please}." in tok.decode(fixed.feedback_ids)
 
 
+def test_feedback_restates_the_rows_question_in_the_retrys_context(parts):
+    """{question} becomes the row's question, token for token what the engine sees before the retry; an answer that
+    reads "{question}" is not expanded (one pass over the template)."""
+    tok, _, engine, judge = parts
+    ctl = RecordingController([engine])
+    agent = ReflectionAgent(ctl, tok, SamplingParams(max_new_tokens=10, temperature=1.0), judge, max_turns=2,
+                            feedback="Not {answer}. Again: {question}")
+    row = {"question": "What is 7*8?", "answer": "56"}
+    samples = run(agent, [Sample(prompt_ids=_arith_prompt(tok, row["question"]), data=row, group_id="g", index=i)
+                          for i in range(8)])
+    retried = [s for s in samples if len(s.turns) == 2]
+    assert retried, "the tiny model never got the parity wrong: nothing to check"
+    for s in retried:
+        first, second = s.turns
+        said = final_answer(tok.decode(s.response_ids[first.start: first.end]))
+        expected = continuation_ids(tok, [{"role": "user", "content": f"Not {said or 'nothing'}. Again: What is 7*8?"}])
+        between = s.response_ids[first.end: second.start]
+        assert between[-len(expected):] == expected
+        assert ctl.calls[s.uid][1][0] == s.input_ids[: len(s.prompt_ids) + second.start]
+    assert tok.decode(agent.feedback_for("{question}", "Q?")).count("Not {question}. Again: Q?") == 1
+
+
 def test_retries_and_repeats_are_counted_turn_by_turn(parts):
     """The tiny model's answers (its last number) decide repeats; recount them from the decoded turns."""
     tok, _, engine, judge = parts
