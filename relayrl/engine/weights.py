@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from relayrl.trainer.lora import is_adapter_name, merge_into
 from relayrl.trainer.optim import round_to_bf16_
@@ -131,3 +133,14 @@ def _fits_on_gpu(device: torch.device, pairs: list[tuple[torch.Tensor, torch.Ten
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return staged + moved + (256 << 20) <= free + cached
+
+
+def stored_in_float32(path: str | Path) -> bool:
+    """Whether a model folder's safetensors hold fp32 floating weights (a model relayrl trained: its trainer's fp32
+    weights). Read from the files' headers, not config.json, whose dtype field is optional."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        return False
+    with safe_open(str(files[0]), "pt") as f:
+        return any(f.get_slice(k).get_dtype() == "F32" for k in f.keys())  # noqa: SIM118 (a file, not a dict)
+

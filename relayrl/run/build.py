@@ -345,8 +345,11 @@ def make_engines(cfg: Config, model_path: str, eos: list[int], run_dir: Path, la
         if shared_model is not None:
             return [LocalEngine(shared_model, seed=cfg.run.seed, owns_weights=False, **kw)]
         device = resolve_device(cfg.run.device)
-        return [LocalEngine(load_model(model_path, dtype=e.dtype, device=device), seed=cfg.run.seed + i, **kw)
-                for i in range(e.num_engines)]
+        engines = [LocalEngine(load_model(model_path, dtype=e.dtype, device=device), seed=cfg.run.seed + i, **kw)
+                   for i in range(e.num_engines)]
+        for engine in engines:  # a model relayrl trained, stored in fp32, into a bf16 engine: rounded as sync rounds
+            engine.round_in_fp32_weights(model_path)
+        return engines
     engines = RemoteEngine.for_servers(e.addresses or launched, backend=e.backend, api_key=e.api_key,
                                        timeout=e.request_timeout, retries=e.retries,
                                        weights_dir=weights_dir(cfg, run_dir),

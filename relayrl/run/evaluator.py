@@ -61,11 +61,10 @@ def rollout_metrics(samples: list[Sample], prefix: str = "rollout") -> dict[str,
     for k in sorted(metric_keys):
         out[f"{prefix}/{k}_mean"] = statistics.fmean(float(s.metrics.get(k, 0.0)) for s in samples)
     planted = [s for s in samples if s.metrics.get("planted")]
-    if not planted:
-        return out | turn_metrics(samples, prefix)
-    # a planted first answer can never be solved at turn 1: its samples get their own success by turn
     natural = [s for s in samples if not s.metrics.get("planted")]
-    return out | turn_metrics(natural, prefix) | turn_metrics(planted, f"{prefix}/planted")
+    out |= turn_metrics(natural, prefix) | fresh_attempt_rate(natural, prefix)
+    # a planted first answer can never be solved at turn 1: its samples get their own success by turn
+    return out | turn_metrics(planted, f"{prefix}/planted") if planted else out
 
 
 def turn_metrics(batch: list[Sample], prefix: str) -> dict[str, float]:
@@ -84,6 +83,18 @@ def turn_metrics(batch: list[Sample], prefix: str) -> dict[str, float]:
     if retries:
         out[f"{prefix}/retry_repeat_rate"] = sum(float(s.metrics.get("repeats", 0.0)) for s in batch) / retries
     return out
+
+
+def fresh_attempt_rate(batch: list[Sample], prefix: str) -> dict[str, float]:
+    """What a fresh first attempt scores on the questions whose samples had to retry: over the samples that reached
+    turn 2, the mean turn-1 success of the other samples of their group (same question). `recovered_at_turn_2`
+    above it means the retry, with its failed attempt and the feedback in context, beats asking again; below it,
+    the context hurts (SmolLM2-135M's retries did, docs/benchmarks.md). Groups of one sample say nothing."""
+    rates = []
+    for g in groups_of([s for s in batch if "solved_turn" in s.metrics]):
+        first = sum(int(s.metrics["solved_turn"]) == 1 for s in g)
+        rates += [first / (len(g) - 1) for s in g if len(g) > 1 and int(s.metrics.get("turns", 1)) >= 2]
+    return {f"{prefix}/fresh_at_turn_2": statistics.fmean(rates)} if rates else {}
 
 
 def majority_correct(group: list[Sample], answer_fn: Callable[[str], str | None]) -> float:

@@ -160,6 +160,39 @@ def test_a_bf16_engine_follows_fp32_updates_below_half_a_bf16_step(tiny_path, ro
         assert 0.2 < moved / total < 0.3 and drift == pytest.approx(target, rel=0.1)
 
 
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+@pytest.mark.parametrize("how", ["from_pretrained", "make_engines"])
+def test_a_bf16_engine_on_an_fp32_checkpoint_keeps_updates_below_half_a_bf16_step(tiny_path, tmp_path, tiny_run,
+                                                                                   rounding, how):
+    """A trained model saved in fp32, a quarter of a bf16 step away from bf16 weights: loaded rounded to nearest the
+    engine would be the untrained model; as weight sync does, about a quarter of the weights move up one step (both
+    the serve path, from_pretrained, and relayrl train/eval's, make_engines)."""
+    from relayrl.run.build import make_engines
+
+    start_model = load_model(tiny_path, dtype="bfloat16")
+    start = {n: p.detach().float() for n, p in start_model.named_parameters()}
+    ulp = {n: torch.where(w == 0, 0.0, 2.0 ** (torch.frexp(w).exponent - 8).float()) for n, w in start.items()}
+    trained = load_model(tiny_path, dtype="float32")
+    with torch.no_grad():
+        for n, p in trained.named_parameters():
+            p.copy_(start[n] + 0.25 * ulp[n])
+    folder = tmp_path / "trained"
+    trained.save_pretrained(folder)
+    load_tokenizer(tiny_path).save_pretrained(folder)
+    if how == "from_pretrained":
+        engine = LocalEngine.from_pretrained(str(folder), dtype="bfloat16", weight_rounding=rounding)
+    else:
+        cfg = tiny_run(**{"model.path": str(folder), "engine.dtype": "bfloat16", "engine.weight_rounding": rounding})
+        engine, = make_engines(cfg, str(folder), [], tmp_path / "run", [])
+    moved = sum(int((p.detach().float() != start[n]).sum()) for n, p in engine.model.named_parameters())
+    total = sum(p.numel() for p in engine.model.parameters())
+    engine.close()
+    if rounding == "nearest":
+        assert moved == 0
+    else:
+        assert 0.2 < moved / total < 0.3
+
+
 def test_bf16_weight_rounding_is_checked(tiny_path):
     with pytest.raises(ValueError, match="weight_rounding"):
         LocalEngine(load_model(tiny_path), eos_token_ids=[], weight_rounding="up")
