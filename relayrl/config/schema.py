@@ -101,7 +101,8 @@ class EngineConfig:
     cuda_graphs: bool = True
     # fp32 trainer weights into a bf16 engine: stochastic = rounded up or down at random so the engine's policy
     # follows the trainer's from the first step (rounded to nearest, most weights keep their bf16 value for many
-    # steps at RL learning rates); remote servers are then sent bf16 (dtype bfloat16); nearest = plain casts
+    # steps at RL learning rates); remote servers are then sent bf16 (dtype bfloat16); also how a local engine loads
+    # a model stored in fp32 (relayrl eval/serve of a trained model); nearest = plain casts
     weight_rounding: Literal["stochastic", "nearest"] = "stochastic"
     # local engines generating when an update arrives: move it to their device and round it into their dtype first,
     # still generating, then pause only for a copy (costs one copy of the weights in the engine's dtype meanwhile;
