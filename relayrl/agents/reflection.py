@@ -39,7 +39,8 @@ with each other on equal footing and the held-out rate is comparable across chec
 context (never trained) and counts as turn 1: a retry that succeeds is "solved at turn 2". Which groups are
 planted is a function of the question (p = 1: all; evaluate with p = 1 to measure recovery from planted states).
 Measured on SmolLM2-135M (docs/benchmarks.md): 20 steps at p = 1 raised recovery from planted states (8.2% ->
-12.1%, one run) but not from the model's own mistakes.
+12.1%, one run). Restating the question in the feedback (`{question}`) raised recoveries on the
+model's own mistakes and from planted states without planting (docs/benchmarks.md).
 """
 
 from __future__ import annotations
