@@ -6,8 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from tests.bench_for_tests import REPO, run_bench
+from bench_for_tests import REPO, run_bench
 
 sys.path.insert(0, str(REPO / "bench"))  # the bench scripts import their helpers (_common) as top-level modules
 
