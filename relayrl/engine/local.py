@@ -55,7 +55,7 @@ from relayrl.engine.prefill import SharedStart, prefill
 from relayrl.engine.sampling import sample_tokens
 from relayrl.engine.sequence import Seq, resolve
 from relayrl.engine.weights import EngineWeights, stored_in_float32
-from relayrl.models import eos_token_ids, load_model, load_tokenizer
+from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,10 @@ class LocalEngine:
         (measured: a reflection run's final model scored 51% pass@1 that way against 75% in the run's own last
         evaluation, docs/benchmarks.md). Returns whether it did."""
         bf16 = next(self.model.parameters()).dtype == torch.bfloat16
-        if not (bf16 and self.weights.rounding == "stochastic" and stored_in_float32(path)):
+        if not bf16 or self.weights.rounding != "stochastic":
+            return False
+        path = resolve_model_path(path, prepare=False)  # an alias or hub id: its folder
+        if not stored_in_float32(path):
             return False
         self.load_weights_from_disk(path, self._version)
         log.info("engine: fp32 weights of %s rounded stochastically into bf16", path)

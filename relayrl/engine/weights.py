@@ -143,4 +143,3 @@ def stored_in_float32(path: str | Path) -> bool:
         return False
     with safe_open(str(files[0]), "pt") as f:
         return any(f.get_slice(k).get_dtype() == "F32" for k in f.keys())  # noqa: SIM118 (a file, not a dict)
-

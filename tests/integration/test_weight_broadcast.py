@@ -204,7 +204,8 @@ def test_a_server_dying_mid_broadcast_is_a_clear_error_not_a_hang(servers, tiny_
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError, match=doomed.url.replace(".", r"\.")) as info:
             survivor.update_weights(perturbed(tiny_path, 5).named_parameters(), 2)
-        assert time.monotonic() - t0 < 10, info.value
+        # a hang would wait out timeout + 60 = 80 s; on a loaded 2-core CI run the dead server's retries took 15 s
+        assert time.monotonic() - t0 < 30, info.value
         monkeypatch.undo()
         assert "receiving the weights failed" in str(info.value)  # the survivor was released, not left waiting
         assert survivor.refresh_version() == 1 and survivor.health()  # and it kept its old weights, whole
