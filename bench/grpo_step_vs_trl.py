@@ -232,10 +232,9 @@ def run_side(a) -> None:
 
 # ---- driver ------------------------------------------------------------------------------------------------
 def child(a, side: str, model: str, seed: int) -> dict:
-    a = argparse.Namespace(**{**vars(a), "seed": seed})
     args = ["--side", side, "--model", model, "--prompts", str(a.prompts), "--group", str(a.group),
             "--max-new-tokens", str(a.max_new_tokens), "--temperature", str(a.temperature), "--steps", str(a.steps),
-            "--seed", str(a.seed), "--threads", str(a.threads), "--trl-micro-batch", str(a.trl_micro_batch),
+            "--seed", str(seed), "--threads", str(a.threads), "--trl-micro-batch", str(a.trl_micro_batch),
             "--relayrl-checkpointing", a.relayrl_checkpointing, "--device", a.device,
             *(["--fixed-length"] if a.fixed_length else [])]
     t0 = time.perf_counter()

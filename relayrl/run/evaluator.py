@@ -63,8 +63,9 @@ def rollout_metrics(samples: list[Sample], prefix: str = "rollout") -> dict[str,
     planted = [s for s in samples if s.metrics.get("planted")]
     natural = [s for s in samples if not s.metrics.get("planted")]
     out |= turn_metrics(natural, prefix) | fresh_attempt_rate(natural, prefix)
-    # a planted first answer can never be solved at turn 1: its samples get their own success by turn
-    return out | turn_metrics(planted, f"{prefix}/planted") if planted else out
+    if planted:  # a planted first answer can never be solved at turn 1: its samples get their own success by turn
+        out |= turn_metrics(planted, f"{prefix}/planted")
+    return out
 
 
 def turn_metrics(batch: list[Sample], prefix: str) -> dict[str, float]:
