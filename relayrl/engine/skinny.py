@@ -1,14 +1,16 @@
-"""A CPU engine's fp32 linears at a decode step's tail (a few rows) through a C kernel that streams each weight once.
+"""A CPU engine's fp32 linears at decode steps of up to 64 rows through a C kernel built for few rows.
 
-Why: once most sequences of a rollout have finished, a decode step runs its linears on a handful of rows, and the
-weights (SmolLM2-135M: 430 MB of fp32 layer weights) no longer fit in any cache. PyTorch's fp32 `F.linear` (MKL
-sgemm, oneDNN alike) then read them at 5-6 GB/s on a 2-core AMD EPYC Zen 3 that reads 18 GB/s, so a step with 4
-rows cost as much as one with 64 (docs/benchmarks.md, "Rollout speed"). `kernels/skinny_linear.c` loads each
-weight row once and multiplies it with every row of the input, which stays in L1: 1.5-2.8x MKL at 1-16 rows over
-30 layers' distinct weights there, 1.2x at 32.
+Why: a decode step runs its linears on as many rows as sequences are running (64 at a GRPO batch's start, a handful
+in its tail), and the weights (SmolLM2-135M: 430 MB of fp32 layer weights) do not fit in any cache. PyTorch's fp32
+`F.linear` (MKL sgemm, oneDNN alike) read them at 5-6 GB/s on a 2-core AMD EPYC Zen 3 that reads 18 GB/s, so a step
+with 4 rows cost as much as one with 64 (docs/benchmarks.md, "Rollout speed"), and from 8 to 48 rows it reached a
+third to two thirds of the machine's FMA rate. `kernels/skinny_linear.c` streams each weight row once at 1-4 rows
+and multiplies register tiles (12 accumulators) at 5-64 rows: over 30 layers' distinct weights on a Zen 4 as AVX2,
+1.3-1.4x the first version of this kernel at 8-32 rows, 1.7-2.0x MKL at 8-24 and 1.3x at 48 (docs/benchmarks.md).
 
 Where it pays depends on the CPU, so a quick measurement on weights larger than the last-level cache decides up to
-how many rows the kernel is used, once per machine (relayrl.common.hardware.measured); 0 turns it off. Like
+how many rows the kernel is used, once per machine and kernel source (relayrl.common.hardware.measured); 0 turns it
+off. Like
 relayrl.engine.linear's oneDNN head, only the engine's forwards take this path (inference mode, fp32, CPU): the
 trainer's forwards of a shared model stay plain F.linear. Sums are grouped differently from MKL's, so logits agree to
 float rounding (~1e-5), not bit for bit. RELAYRL_KERNELS_OFF=skinny_linear (or RELAYRL_KERNELS=0) switches it off.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
 from pathlib import Path
 
@@ -30,15 +33,18 @@ from relayrl.common.hardware import measured, seconds_per_call
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("kernels") / "skinny_linear.c"
-MAX_ROWS = 32  # the kernel's limit (blocks of 8 rows)
-_CANDIDATES = (32, 24, 16, 8)  # row limits tried, largest first
+MAX_ROWS = 64  # the kernel's limit
+_CANDIDATES = (64, 48, 32, 24, 16, 8)  # row limits tried, largest first
+
+
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+SIGNATURES = {"relayrl_skinny_linear_f32": ([_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int], ctypes.c_int)}
 
 
 @functools.cache
 def load_kernel() -> ctypes.CDLL | None:
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    sig = {"relayrl_skinny_linear_f32": ([i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int], ctypes.c_int)}
-    return cbuild.load(_SOURCE, ["-O3", "-march=native", "-fopenmp"], signatures=sig,
+    return cbuild.load(_SOURCE, CFLAGS, signatures=SIGNATURES,
                        fallback="the engine's linears use PyTorch's at every batch size")
 
 
@@ -100,11 +106,16 @@ def _measure() -> dict:
     return out
 
 
+@functools.cache
+def _source_hash() -> str:
+    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+
+
 def measured_rows() -> tuple[int, str]:
     """Up to how many rows the kernel beats PyTorch's default here by >= 1.1x (measured once, cached), and why."""
     if load_kernel() is None:
         return 0, "the kernel did not build or is switched off"
-    r = measured("skinny_linear", _measure)
+    r = measured(f"skinny_linear:{_source_hash()}", _measure)  # a new kernel is measured anew
     if not r["agree"]:
         return 0, "the kernel's results differ from F.linear's"
     rows = next((m for m in _CANDIDATES if r[f"default_s_{m}"] / r[f"kernel_s_{m}"] >= 1.1), 0)

@@ -1,20 +1,26 @@
-/* y = x @ W^T for a few rows of x (a decode step's tail), fp32, on CPUs: W is streamed from memory once.
+/* y = x @ W^T for the few rows of a decode step (1-64), fp32, on CPUs.
  *
- * Why: at a decode step with few running sequences the engine's linears are matrix-vector products over weights
- * that do not fit in cache (SmolLM2-135M: 430 MB of fp32 layer weights per step). BLAS libraries tuned for large
- * products ran them at 5-6 GB/s of weight traffic on a 2-core AMD EPYC (Zen 3) that reads 18 GB/s, so a step with
- * 1-16 rows cost about as much as one with 64. Here every weight row is loaded once and multiplied with all
- * rows of x, which sit in L1: the product runs at the speed memory delivers the weights.
+ * Why: at a decode step the engine's linears multiply a handful of rows by weights that do not fit in any cache
+ * (SmolLM2-135M: 430 MB of fp32 layer weights per step). BLAS libraries tuned for large products ran them at
+ * 5-6 GB/s of weight traffic on a 2-core AMD EPYC (Zen 3) that reads 18 GB/s, and at 8-48 rows they reached a
+ * third to two thirds of the machine's FMA rate. Two loops here:
+ *  - 1-4 rows (memory-bound): each weight row is loaded once, in order (one sequential stream the hardware
+ *    prefetcher follows), and multiplied with every row of x, which sits in L1;
+ *  - 5-64 rows (compute-bound): register tiles of J x rows by R weight rows (12 accumulators; each loaded vector
+ *    feeds 3-4 FMAs), over chunks of 48 weight rows that stay in L2 while every x row passes, the next tile's
+ *    weight rows prefetched from memory.
  *
- *   x [m, k] (row stride x_s), w [n, k] contiguous, y [m, n] contiguous; m <= 32 (blocks of 8 rows).
- * Output rows are split between threads by weight rows, so no two threads write the same element.
+ *   x [m, k] (row stride x_s), w [n, k] contiguous, y [m, n] contiguous; m <= 64.
+ * Output columns are split between threads by weight rows, so no two threads write the same element.
  */
 #include <stdint.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
 
-#define MB 8
+#define MAX_ROWS 64
+#define FEW 4      /* rows up to which the streaming loop runs */
+#define CHUNK 48   /* weight rows per task of the tiled loop: a multiple of every tile's R (8, 6, 4, 3) */
 
 static inline float dot_tail(const float *a, const float *b, int64_t from, int64_t k) {
     float s = 0.f;
@@ -30,52 +36,112 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* weight rows n0..n1 times m (a constant after inlining) rows of x: one weight load feeds m FMAs */
-static inline __attribute__((always_inline)) void rows_block(const int64_t m, int64_t n0, int64_t n1, int64_t k,
-                                                             const float *x, int64_t x_s, const float *w, float *y,
-                                                             int64_t n) {
+/* weight rows n0..n1 times M (a constant after inlining) rows of x: one weight load feeds M FMAs */
+static inline __attribute__((always_inline)) void stream_rows(const int M, int64_t n0, int64_t n1, int64_t k,
+                                                               const float *x, int64_t x_s, const float *w,
+                                                               float *y, int64_t n) {
     for (int64_t r = n0; r < n1; ++r) {
         const float *wr = w + r * k;
-        __m256 acc[MB];
-        for (int64_t j = 0; j < m; ++j) acc[j] = _mm256_setzero_ps();
+        __m256 acc[FEW];
+        for (int j = 0; j < M; ++j) acc[j] = _mm256_setzero_ps();
         int64_t c = 0;
         for (; c + 8 <= k; c += 8) {
             const __m256 wv = _mm256_loadu_ps(wr + c);
-            for (int64_t j = 0; j < m; ++j) acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * x_s + c), acc[j]);
+            for (int j = 0; j < M; ++j) acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * x_s + c), acc[j]);
         }
-        for (int64_t j = 0; j < m; ++j) y[j * n + r] = hsum(acc[j]) + dot_tail(wr, x + j * x_s, c, k);
+        for (int j = 0; j < M; ++j) y[j * n + r] = hsum(acc[j]) + dot_tail(wr, x + j * x_s, c, k);
     }
 }
-#else
-static inline __attribute__((always_inline)) void rows_block(const int64_t m, int64_t n0, int64_t n1, int64_t k,
-                                                             const float *x, int64_t x_s, const float *w, float *y,
-                                                             int64_t n) {
-    for (int64_t r = n0; r < n1; ++r)
-        for (int64_t j = 0; j < m; ++j) y[j * n + r] = dot_tail(w + r * k, x + j * x_s, 0, k);
-}
-#endif
 
-int relayrl_skinny_linear_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_s, const float *w,
-                              float *y, int threads) {
-    if (m > 4 * MB) return 1;
-    const int64_t chunk = 16; /* weight rows per task: 37 KB of a 576-wide matrix; the threads share evenly */
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t n0 = 0; n0 < n; n0 += chunk) {
-        const int64_t n1 = n0 + chunk < n ? n0 + chunk : n;
-        for (int64_t j0 = 0; j0 < m; j0 += MB) {
-            const float *xb = x + j0 * x_s;
-            float *yb = y + j0 * n;
-            switch (m - j0 < MB ? m - j0 : MB) { /* a constant row count: the accumulators stay in registers */
-            case 1: rows_block(1, n0, n1, k, xb, x_s, w, yb, n); break;
-            case 2: rows_block(2, n0, n1, k, xb, x_s, w, yb, n); break;
-            case 3: rows_block(3, n0, n1, k, xb, x_s, w, yb, n); break;
-            case 4: rows_block(4, n0, n1, k, xb, x_s, w, yb, n); break;
-            case 5: rows_block(5, n0, n1, k, xb, x_s, w, yb, n); break;
-            case 6: rows_block(6, n0, n1, k, xb, x_s, w, yb, n); break;
-            case 7: rows_block(7, n0, n1, k, xb, x_s, w, yb, n); break;
-            default: rows_block(8, n0, n1, k, xb, x_s, w, yb, n); break;
+/* J x rows by R weight rows (constants after inlining), all J*R accumulators in registers: 16 ymm registers hold
+ * 12 accumulators plus the vectors being multiplied. J >= 4 keeps R weight vectors and loads x one row at a time;
+ * smaller J keeps the J x vectors and loads one weight vector at a time. */
+static inline __attribute__((always_inline)) void tile(const int J, const int R, int64_t k, const float *x,
+                                                       int64_t x_s, const float *w, float *y, int64_t n) {
+    __m256 acc[FEW][8];
+    for (int j = 0; j < J; ++j)
+        for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 <= k; c += 8) {
+        if ((c & 15) == 0) /* one cache line of each of the next tile's weight rows (from memory on a first pass) */
+            for (int r = 0; r < R; ++r) _mm_prefetch((const char *)(w + (R + r) * k + c), _MM_HINT_T0);
+        if (J >= 4) {
+            __m256 wv[8];
+            for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w + r * k + c);
+            for (int j = 0; j < J; ++j) {
+                const __m256 xv = _mm256_loadu_ps(x + j * x_s + c);
+                for (int r = 0; r < R; ++r) acc[j][r] = _mm256_fmadd_ps(xv, wv[r], acc[j][r]);
+            }
+        } else {
+            __m256 xv[FEW];
+            for (int j = 0; j < J; ++j) xv[j] = _mm256_loadu_ps(x + j * x_s + c);
+            for (int r = 0; r < R; ++r) {
+                const __m256 wv = _mm256_loadu_ps(w + r * k + c);
+                for (int j = 0; j < J; ++j) acc[j][r] = _mm256_fmadd_ps(xv[j], wv, acc[j][r]);
             }
         }
     }
+    for (int j = 0; j < J; ++j)
+        for (int r = 0; r < R; ++r) y[j * n + r] = hsum(acc[j][r]) + dot_tail(w + r * k, x + j * x_s, c, k);
+}
+#else
+static inline void stream_rows(const int M, int64_t n0, int64_t n1, int64_t k, const float *x, int64_t x_s,
+                               const float *w, float *y, int64_t n) {
+    for (int64_t r = n0; r < n1; ++r)
+        for (int j = 0; j < M; ++j) y[j * n + r] = dot_tail(w + r * k, x + j * x_s, 0, k);
+}
+
+static inline void tile(const int J, const int R, int64_t k, const float *x, int64_t x_s, const float *w, float *y,
+                        int64_t n) {
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < J; ++j) y[j * n + r] = dot_tail(w + r * k, x + j * x_s, 0, k);
+}
+#endif
+
+/* the widest tile at J x rows within 12 accumulators */
+#define RMAX(J) ((J) == 1 ? 8 : (J) == 2 ? 6 : (J) == 3 ? 4 : 3)
+#define CASE_R(J, R) case R: tile(J, R, k, xb, x_s, wb, yb, n); break;
+#define TILE(J) switch (R) { CASE_R(J, 1) CASE_R(J, 2) CASE_R(J, 3) CASE_R(J, 4) CASE_R(J, 5) CASE_R(J, 6) \
+                             CASE_R(J, 7) default: tile(J, 8, k, xb, x_s, wb, yb, n); break; }
+
+static void tiled_chunk(int64_t m, int64_t n0, int64_t n1, int64_t k, const float *x, int64_t x_s, const float *w,
+                        float *y, int64_t n) {
+    for (int64_t j0 = 0; j0 < m; j0 += FEW) {
+        const int64_t J = m - j0 < FEW ? m - j0 : FEW, rmax = RMAX(J);
+        const float *xb = x + j0 * x_s;
+        for (int64_t r0 = n0; r0 < n1; r0 += rmax) {
+            const int64_t R = n1 - r0 < rmax ? n1 - r0 : rmax;
+            const float *wb = w + r0 * k;
+            float *yb = y + j0 * n + r0;
+            switch (J) {
+            case 1: TILE(1); break;
+            case 2: TILE(2); break;
+            case 3: TILE(3); break;
+            default: TILE(4); break;
+            }
+        }
+    }
+}
+
+int relayrl_skinny_linear_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_s, const float *w,
+                              float *y, int threads) {
+    if (m > MAX_ROWS) return 1;
+    if (m <= FEW) {
+        const int64_t chunk = 16; /* weight rows per task: 37 KB of a 576-wide matrix; the threads share evenly */
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")
+        for (int64_t n0 = 0; n0 < n; n0 += chunk) {
+            const int64_t n1 = n0 + chunk < n ? n0 + chunk : n;
+            switch (m) { /* a constant row count: the accumulators stay in registers */
+            case 1: stream_rows(1, n0, n1, k, x, x_s, w, y, n); break;
+            case 2: stream_rows(2, n0, n1, k, x, x_s, w, y, n); break;
+            case 3: stream_rows(3, n0, n1, k, x, x_s, w, y, n); break;
+            default: stream_rows(4, n0, n1, k, x, x_s, w, y, n); break;
+            }
+        }
+        return 0;
+    }
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t n0 = 0; n0 < n; n0 += CHUNK)
+        tiled_chunk(m, n0, n0 + CHUNK < n ? n0 + CHUNK : n, k, x, x_s, w, y, n);
     return 0;
 }
