@@ -2,8 +2,8 @@
  *
  * Why: at a decode step the engine's linears multiply a handful of rows by weights that do not fit in any cache
  * (SmolLM2-135M: 430 MB of fp32 layer weights per step). BLAS libraries tuned for large products ran them at
- * 5-6 GB/s of weight traffic on a 2-core AMD EPYC (Zen 3) that reads 18 GB/s, and at 8-48 rows they reached a
- * third to two thirds of the machine's FMA rate. Two loops here:
+ * 5-6 GB/s of weight traffic on a 2-core AMD EPYC (Zen 3) that reads 18 GB/s, and at 8-48 rows they ran at a fifth
+ * to a half of their own rate on large products. Two loops here:
  *  - 1-4 rows (memory-bound): each weight row is loaded once, in order (one sequential stream the hardware
  *    prefetcher follows), and multiplied with every row of x, which sits in L1;
  *  - 5-64 rows (compute-bound): register tiles of J x rows by R weight rows (12 accumulators; each loaded vector
