@@ -100,9 +100,13 @@ static inline void tile(const int J, const int R, int64_t k, const float *x, int
 
 /* the widest tile at J x rows within 12 accumulators */
 #define RMAX(J) ((J) == 1 ? 8 : (J) == 2 ? 6 : (J) == 3 ? 4 : 3)
-#define CASE_R(J, R) case R: tile(J, R, k, xb, x_s, wb, yb, n); break;
-#define TILE(J) switch (R) { CASE_R(J, 1) CASE_R(J, 2) CASE_R(J, 3) CASE_R(J, 4) CASE_R(J, 5) CASE_R(J, 6) \
-                             CASE_R(J, 7) default: tile(J, 8, k, xb, x_s, wb, yb, n); break; }
+/* R weight rows at J x rows: a full tile, or an edge of fewer rows one weight row at a time (only at a matrix's
+ * end, since CHUNK is a multiple of every RMAX; the sums are the same either way) */
+#define TILE(J)                                                                                                   \
+    do {                                                                                                          \
+        if (R == RMAX(J)) tile(J, RMAX(J), k, xb, x_s, wb, yb, n);                                                \
+        else for (int64_t e = 0; e < R; ++e) tile(J, 1, k, xb, x_s, wb + e * k, yb + e, n);                       \
+    } while (0)
 
 /* Blocks of 4 x rows run with the weight tiles (3 rows) outer: a tile comes from memory once and stays in L1 while
  * every block passes (1.06-1.13x the blocks-outer order at 8-24 rows, even at 32-48, 0.94x at 64, which the engine's
