@@ -24,6 +24,7 @@ from relayrl.common.utils import checkpointing_on, trim_memory
 from relayrl.models import load_model
 from relayrl.models.attention import install as install_attention
 from relayrl.models.attention import segments_pay_off
+from relayrl.trainer import embedding
 from relayrl.trainer.algo import reduce_stats
 from relayrl.trainer.checkpointing import Saves, checkpoint_kwargs
 from relayrl.trainer.logprobs import token_logprobs, weight_grad_into_param
@@ -60,6 +61,7 @@ class TrainEngine:
         # shared-prompt rows attend without their dense mask where the model runs SDPA and that pays off on this
         # device (relayrl.models.segments; on a GPU SDPA's fused kernels with the dense mask are faster)
         self.segments = install_attention(model) and segments_pay_off(self.device)
+        embedding.install(model)  # its backward adds the used rows into weight.grad (relayrl.trainer.embedding)
         self.temperature = temperature if temperature > 0 else 1.0
         self.grad_clip = grad_clip
         self.autocast_bf16 = autocast_bf16

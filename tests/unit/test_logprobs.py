@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 from relayrl.models import load_model
 from relayrl.sample import Sample
 from relayrl.trainer.engine import TrainEngine
-from relayrl.trainer.logprobs import token_logprobs, weight_grad_into_param
+from relayrl.trainer.logprobs import FORWARD_ROWS, token_logprobs, weight_grad_into_param
 from relayrl.trainer.packer import Packer
 
 
@@ -37,7 +37,7 @@ def test_values_and_gradients_match_the_plain_computation(temperature, entropy_g
     hidden, weight, targets = _inputs()
     g = torch.Generator().manual_seed(1)
     w_lp, w_h = torch.randn(len(targets), generator=g), torch.randn(len(targets), generator=g)
-    # 8 rows per chunk: 37 rows make 5 chunks, the last one short
+    # 8 rows' worth of logits per block: 37 rows walk 5 blocks of 64 columns, the last one short
     logp, ent = token_logprobs(hidden, weight, targets, temperature=temperature, with_entropy=True,
                                entropy_grad=entropy_grad, chunk_bytes=8 * 4 * 300)
     loss = (logp * w_lp).sum() + ((ent * w_h).sum() if entropy_grad else 0.0)
@@ -50,6 +50,21 @@ def test_values_and_gradients_match_the_plain_computation(temperature, entropy_g
     assert (ent - ref_h).abs().max() < 1e-5
     assert torch.allclose(gh, rh, rtol=1e-5, atol=1e-5)  # sums over the chunks' rows: float rounding only
     assert torch.allclose(gw, rw, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_rows_beyond_one_pass_and_large_logits_match_the_plain_computation(with_entropy):
+    """More rows than one pass over the vocabulary takes (FORWARD_ROWS) and logits whose row maximum moves from
+    block to block (scaled up, the largest near the end): the online logsumexp is exact to float rounding."""
+    n = FORWARD_ROWS + 37
+    hidden, weight, targets = _inputs(n=n, h=16, v=3000)
+    with torch.no_grad():
+        weight[-100:] *= 6  # the last blocks hold most rows' maximum
+    logp, ent = token_logprobs(hidden, weight, targets, with_entropy=with_entropy, chunk_bytes=50 * 4 * 3000)
+    ref_lp, ref_h = _plain(hidden, weight, targets, 1.0, with_entropy)
+    assert (logp - ref_lp).abs().max() < 1e-5
+    if with_entropy:
+        assert (ent - ref_h).abs().max() < 1e-5
 
 
 def test_entropy_carries_no_gradient_unless_asked():
@@ -195,9 +210,9 @@ def test_the_train_engine_writes_the_tied_head_gradient_in_place(tiny_path):
         with _PeakBytes() as mode:
             engine._micro_step(mb, loss_fn, False, False)
     assert torch.allclose(weight.grad, 2 * first, rtol=1e-5, atol=1e-6)
-    # the embedding's gradient and the head's block product (the tiny vocabulary is one block): no buffer for
-    # the head's whole gradient, no sum of the two made in autograd's buffer
-    assert mode.sizes.count(weight.nbytes) == 2, mode.sizes.count(weight.nbytes)
+    # only the head's block product (the tiny vocabulary is one block): no buffer for the head's whole gradient,
+    # no dense embedding gradient (relayrl.trainer.embedding adds its rows into .grad), no sum of the two
+    assert mode.sizes.count(weight.nbytes) == 1, mode.sizes.count(weight.nbytes)
 
 
 def test_the_trainers_autocast_keeps_no_bf16_copy_of_the_whole_model(tiny_path):
