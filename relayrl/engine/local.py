@@ -46,7 +46,7 @@ from safetensors.torch import load_file
 
 from relayrl.common.device import avoid_cudnn_attention, model_device
 from relayrl.common.utils import release_openmp_threads
-from relayrl.engine import attention, skinny
+from relayrl.engine import attention, direct, skinny
 from relayrl.engine import linear as engine_linear
 from relayrl.engine.base import GenOutput, SamplingParams
 from relayrl.engine.decode_graphs import StaticDecode
@@ -122,6 +122,7 @@ class LocalEngine:
         self.stats = {"generated_tokens": 0, "prefill_tokens": 0, "prefills": 0, "steps": 0, "decode_rows": 0,
                       "busy_s": 0.0, "reused_tokens": 0, "aborted": 0}
         self._static: StaticDecode | None = None
+        self.direct = False  # fused decode steps skip the HF module tree (relayrl.engine.direct; set by _use_kernel)
         if attention != "sdpa":
             self._use_kernel(attention == "kernel", cfg.num_attention_heads, kv_heads, head_dim)
         # on a GPU, decode steps replay as CUDA graphs (relayrl.engine.decode_graphs says why)
@@ -344,6 +345,7 @@ class LocalEngine:
                 with torch.inference_mode():
                     self._prefill([[0, 0]], [0])
                     self._forward_decode([0], [2])
+                    self._check_direct()
             except RuntimeError as e:
                 self.cache.kernel, why = None, str(e)
             self.stats.update(prefill_tokens=0, prefills=0)
@@ -351,6 +353,19 @@ class LocalEngine:
             raise RuntimeError(f"engine.attention=kernel: {why}")
         if why:
             log.info("LocalEngine decode attention: SDPA (%s)", why)
+
+    def _check_direct(self) -> None:
+        """Decode through the written-out step (relayrl.engine.direct) where it covers the model and gives the HF
+        forward's logits on a real step; else keep the HF forward (the reason logged)."""
+        why = direct.why_not(self.model)
+        if why is None:
+            want = self._forward_decode([1], [2])
+            self.direct = True
+            got = self._forward_decode([1], [2])
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+                self.direct, why = False, f"its logits differ from the HF forward's by {(got - want).abs().max():.3g}"
+        if why:
+            log.info("LocalEngine decode step: the HF forward (%s)", why)
 
     # ---- worker -------------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
@@ -497,12 +512,15 @@ class LocalEngine:
         positions = torch.tensor(kv_lens, device=dev)
         self.cache.decode(positions, kv_len)
         mask = (torch.arange(kv_len, device=dev)[None, :] <= positions[:, None])[:, None, None, :]
-        extra = {"relayrl_cache": self.cache} if self.cache.fused else {}
-        out = self.model(input_ids=torch.tensor(tokens, device=dev)[:, None], position_ids=positions[:, None],
-                         attention_mask=mask, past_key_values=self.cache, use_cache=True, **extra)
+        if self.cache.fused and self.direct:  # written out (relayrl.engine.direct)
+            logits = direct.decode_logits(self.model, self.cache, torch.tensor(tokens, device=dev), positions)
+        else:
+            extra = {"relayrl_cache": self.cache} if self.cache.fused else {}
+            logits = self.model(input_ids=torch.tensor(tokens, device=dev)[:, None], position_ids=positions[:, None],
+                                attention_mask=mask, past_key_values=self.cache, use_cache=True, **extra).logits[:, -1]
         if self.cache.fused and self.cache.attended != self.model.config.num_hidden_layers:
             raise RuntimeError(f"decode kernel ran for {self.cache.attended} of the model's layers")
-        return out.logits[:, -1]
+        return logits
 
     def _decode_step(self) -> None:
         seqs = self._active
