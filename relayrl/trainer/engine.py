@@ -139,11 +139,11 @@ class TrainEngine:
         With gradient checkpointing (`trim_heap`) the heap is trimmed after the forward and after the backward (on the
         CPU: glibc's malloc_trim). Their temporaries are 1-30 MB blocks, which glibc keeps in its heap once freed, and
         micro-batches of varying lengths leave holes the next one cannot reuse, so resident memory crept up 0.2-0.5 GB
-        per micro-batch. Trimmed, the README job's training peak fell from 3.09 to 2.78 GB (bench/train_memory_trace.py).
-        The price is page faults: every block the next pass allocates is fresh memory, and on the Zen 4 as AVX2 an
-        RMSNorm's forward and backward took 7.9 ms after a trim against 2.2 ms without, and a fit of the GRPO bench's
-        batch 21.5 s against 20.4 s. So the trims come with checkpointing, the setting that already trades time for
-        memory; without it the fit keeps its heap."""
+        per micro-batch. Trimmed, the README job's training peak fell from 3.09 to 2.78 GB
+        (bench/train_memory_trace.py). The price is page faults: every block the next pass allocates is fresh memory;
+        on the Zen 4 as AVX2 an RMSNorm's forward and backward took 7.9 ms after a trim against 2.2 ms without, and a
+        fit of the GRPO bench's batch 21.5 s against 20.4 s. So the trims come with checkpointing, the setting that
+        already trades time for memory; without it the fit keeps its heap."""
         on_cpu = self.device.type == "cpu" and self.trim_heap  # a GPU's activations are not in the host heap
         with weight_grad_into_param():  # loss.backward() below: the head may write weight.grad itself
             logp, entropy = self.logprobs(mb, with_entropy, entropy_grad)
