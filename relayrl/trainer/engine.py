@@ -55,8 +55,6 @@ class TrainEngine:
         self.floor_bytes = 16 * sum(p.numel() for p in params)
         self.gradient_checkpointing = checkpointing_on(gradient_checkpointing, self.floor_bytes,
                                                        device_memory_bytes(self.device))
-        # heap trims between a micro-batch's passes (_micro_step): the same trade of time for memory as checkpointing
-        self.trim_heap = self.gradient_checkpointing
         if self.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs=checkpoint_kwargs(model, checkpoint_saves))
@@ -136,7 +134,7 @@ class TrainEngine:
     def _micro_step(self, mb: MicroBatch, loss_fn: LossFn, with_entropy: bool, entropy_grad: bool) -> dict:
         """Forward and backward of one micro-batch; gradients accumulate until `_clip_and_step`.
 
-        With gradient checkpointing (`trim_heap`) the heap is trimmed after the forward and after the backward (on the
+        With gradient checkpointing the heap is trimmed after the forward and after the backward (on the
         CPU: glibc's malloc_trim). Their temporaries are 1-30 MB blocks, which glibc keeps in its heap once freed, and
         micro-batches of varying lengths leave holes the next one cannot reuse, so resident memory crept up 0.2-0.5 GB
         per micro-batch. Trimmed, the README job's training peak fell from 3.09 to 2.78 GB
@@ -144,14 +142,14 @@ class TrainEngine:
         on the Zen 4 as AVX2 an RMSNorm's forward and backward took 7.9 ms after a trim against 2.2 ms without, and a
         fit of the GRPO bench's batch 21.5 s against 20.4 s. So the trims come with checkpointing, the setting that
         already trades time for memory; without it the fit keeps its heap."""
-        on_cpu = self.device.type == "cpu" and self.trim_heap  # a GPU's activations are not in the host heap
+        trim = self.device.type == "cpu" and self.gradient_checkpointing  # a GPU's activations are not in the heap
         with weight_grad_into_param():  # loss.backward() below: the head may write weight.grad itself
             logp, entropy = self.logprobs(mb, with_entropy, entropy_grad)
         loss, mb_stats = loss_fn(mb, logp, entropy)
-        if on_cpu:
+        if trim:
             trim_memory()
         loss.backward()
-        if on_cpu:
+        if trim:
             trim_memory()
         return mb_stats
 

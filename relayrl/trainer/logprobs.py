@@ -95,6 +95,12 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, inv_t: float, out: torc
 FORWARD_ROWS = 1024  # rows per pass over the vocabulary: a block of 8k columns of a 49k vocabulary at 32 MiB
 
 
+def _block_cols(rows: int, vocab: int, width: int) -> int:
+    """Vocabulary columns per block for `width` rows: as many logits as `rows` full rows hold (forward and backward
+    walk the same blocks)."""
+    return max(1, min(vocab, rows * vocab // max(1, width)))
+
+
 @torch.no_grad()
 def _forward(hidden, weight, targets, inv_t, rows, with_entropy):
     """Per-row logsumexp, target logprob and entropy: (logp, entropy or None, logsumexp per row).
@@ -103,16 +109,17 @@ def _forward(hidden, weight, targets, inv_t, rows, with_entropy):
     max, sum of exp and (for the entropy) sum of exp * (logit - max) across blocks, as the backward walks it. Why not
     chunks of `rows` full rows: at ~170 rows the [rows x hidden] @ [hidden x 49k] product ran at 105 GFLOP/s in the
     GRPO bench's fit as AVX2, a block of 8k columns for 1k rows at 176; and each chunk's fresh 32 MB of logits and
-    exps page-faulted (the trainer trims its heap), here two buffers serve every block."""
+    exps page-faulted (where the trainer trims its heap), here two buffers serve every block."""
     n = hidden.shape[0]
     logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
     lse_all = torch.empty(n, dtype=torch.float32, device=hidden.device)
     entropy = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
     weight = _autocast_once(weight, hidden.device.type)
     span = max(rows, min(n, FORWARD_ROWS))
-    cols = max(1, min(weight.shape[0], rows * weight.shape[0] // max(1, min(n, span))))
+    width = min(n, span)  # rows in a pass
+    cols = _block_cols(rows, weight.shape[0], width)
     # the block's logits, and with the entropy its exps beside them (without it they replace the logits)
-    buf = torch.empty(2 if with_entropy else 1, min(n, span) * cols, dtype=torch.float32, device=hidden.device) \
+    buf = torch.empty(2 if with_entropy else 1, width * cols, dtype=torch.float32, device=hidden.device) \
         if n else None
     for s in range(0, n, span):
         e = min(n, s + span)
@@ -149,8 +156,9 @@ def _rows_forward(h, weight, targets, inv_t, cols, with_entropy, buf):
             ez.add_(shift.nan_to_num_(neginf=0.0).mul_(total)).mul_(rescale).add_(ex.mul_(y).sum(-1))
             total.mul_(rescale).add_(block_total)
         top = new_top
-    lse = top + total.log()
-    return picked - lse, lse, None if ez is None else total.log() - ez / total
+    log_total = total.log()
+    lse = top + log_total
+    return picked - lse, lse, None if ez is None else log_total - ez / total
 
 
 def _autocast_once(weight: torch.Tensor, device: str) -> torch.Tensor:
@@ -172,7 +180,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, targets, entropy, lse)
         ctx.grad_target = grad_target(weight)
         # backward walks the vocabulary in blocks of columns, as many as `rows` full rows would hold
-        ctx.inv_t, ctx.cols, ctx.entropy_grad = inv_t, max(1, rows * weight.shape[0] // max(1, hidden.shape[0])), \
+        ctx.inv_t, ctx.cols, ctx.entropy_grad = inv_t, _block_cols(rows, weight.shape[0], hidden.shape[0]), \
             with_entropy and entropy_grad
         if not ctx.entropy_grad:
             ctx.mark_non_differentiable(entropy)
