@@ -44,15 +44,21 @@ def test_the_written_out_step_samples_what_the_hf_forward_samples(arch, monkeypa
         assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5)
 
 
-def test_a_written_out_step_that_differs_from_the_hf_forward_is_dropped(tiny_path, monkeypatch):
+def _raises(*args):
+    raise RuntimeError("planted")
+
+
+@pytest.mark.skipif(attention.load_kernel() is None, reason="no C compiler: no fused decode step to write out")
+@pytest.mark.parametrize("fault", ["differs", "raises"])
+def test_a_written_out_step_that_differs_from_the_hf_forward_or_fails_is_dropped(tiny_path, monkeypatch, fault):
     plain = direct.decode_logits
-    monkeypatch.setattr(direct, "decode_logits", lambda *a: plain(*a) + 0.01)
+    monkeypatch.setattr(direct, "decode_logits", (lambda *a: plain(*a) + 0.01) if fault == "differs" else _raises)
     eng = _engine(tiny_path)
     try:
         assert not eng.direct
-        if eng.cache.kernel is not None:  # the kernel stays: only the HF forward runs the step
-            out = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
-            assert len(out[0].output_ids) == 4
+        assert eng.cache.kernel is not None  # the kernel stays: only the HF forward runs the step
+        out = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
+        assert len(out[0].output_ids) == 4
     finally:
         eng.close()
 
