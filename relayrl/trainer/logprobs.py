@@ -95,10 +95,20 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, inv_t: float, out: torc
 FORWARD_ROWS = 1024  # rows per pass over the vocabulary: a block of 8k columns of a 49k vocabulary at 32 MiB
 
 
+BLOCK_COLS = 1024  # vocabulary columns per block at least: a block of 1k rows' logits is 4 MiB, cache-sized
+BLOCK_LOGITS = 256 * 1024  # logits per block at least: few rows get wider blocks, so per-block op costs stay small
+
+
 def _block_cols(rows: int, vocab: int, width: int) -> int:
-    """Vocabulary columns per block for `width` rows: as many logits as `rows` full rows hold (forward and backward
-    walk the same blocks)."""
-    return max(1, min(vocab, rows * vocab // max(1, width)))
+    """Vocabulary columns per block for `width` rows (forward and backward walk the same blocks): cache-sized, and
+    never more logits than `rows` full rows hold (the chunk budget).
+
+    Why cache-sized: the block's product and the exps, sums and gradients that follow it reread it; at ~860 rows
+    a block of ~9.7k columns (33 MB, the chunk budget's) ran the head's forward product at 96-120 GFLOP/s in the
+    GRPO bench's fit as AVX2, 1k columns at 195, and the head's forward and backward took 1.07 s instead of 1.28
+    (floor at the matmul rate 1.02 s; docs/benchmarks.md)."""
+    width = max(1, width)
+    return max(1, min(vocab, rows * vocab // width, max(BLOCK_COLS, BLOCK_LOGITS // width)))
 
 
 @torch.no_grad()
