@@ -21,7 +21,7 @@ import torch
 
 from relayrl.common.device import avoid_cudnn_attention, device_memory_bytes, model_device
 from relayrl.common.utils import checkpointing_on, trim_memory
-from relayrl.models import load_model
+from relayrl.models import fused, load_model
 from relayrl.models.attention import install as install_attention
 from relayrl.models.attention import segments_pay_off
 from relayrl.trainer import embedding
@@ -62,6 +62,7 @@ class TrainEngine:
         # device (relayrl.models.segments; on a GPU SDPA's fused kernels with the dense mask are faster)
         self.segments = install_attention(model) and segments_pay_off(self.device)
         embedding.install(model)  # its backward adds the used rows into weight.grad (relayrl.trainer.embedding)
+        fused.install(model)  # RMSNorm and SwiGLU in one pass each where the tensors are fp32 on the CPU
         self.temperature = temperature if temperature > 0 else 1.0
         self.grad_clip = grad_clip
         self.autocast_bf16 = autocast_bf16
