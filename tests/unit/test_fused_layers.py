@@ -34,9 +34,12 @@ def test_rms_norm_forward_and_backward_equal_the_formula(shape):
     _close(w.grad, w2.grad)
 
 
-def test_swiglu_forward_and_backward_equal_silu_times_up_even_where_exp_overflows():
+@pytest.mark.parametrize("threads", [1, 2, 3])  # where the extremes fall, vector body or remainder, moves with them
+def test_swiglu_forward_and_backward_equal_silu_times_up_even_where_exp_overflows(threads, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # what the kernel is handed
     g = torch.Generator().manual_seed(1)
-    gate = torch.cat([torch.randn(999, generator=g) * 4, torch.tensor([-100.0, -30.0, 30.0, 100.0, 0.0])])
+    extremes = torch.tensor([-1e4, -100.0, -90.0, -89.0, -88.0, -80.0, -30.0, 0.0, 30.0, 89.0, 100.0, 1e4])
+    gate = torch.cat([torch.randn(999, generator=g) * 4, extremes, torch.randn(5, generator=g), extremes])
     up = torch.randn(gate.shape, generator=g)
     dy = torch.randn(gate.shape, generator=g)
     a, b = gate.clone().requires_grad_(), up.clone().requires_grad_()

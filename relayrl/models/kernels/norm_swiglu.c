@@ -66,16 +66,21 @@ int relayrl_rms_norm_bwd(int64_t rows, int64_t d, const float *dy, const float *
     return 0;
 }
 
+/* sigmoid(g) with exp's argument kept finite: built with -ffast-math, 1 / (1 + inf) is not 0 but NaN (the division
+ * becomes a reciprocal estimate refined by a Newton step, inf * 0 on the way). Below -80 sigmoid is < 2e-35, so the
+ * products with it stay ~0 as they should; exp(80) is far from fp32's limit (exp(88.7)). */
+static inline float sigmoid(float g) { return 1.f / (1.f + expf(-fmaxf(g, -80.f))); }
+
 void relayrl_swiglu_fwd(int64_t n, const float *g, const float *u, float *y, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    for (int64_t i = 0; i < n; ++i) y[i] = g[i] * sigmoid(g[i]) * u[i];
 }
 
 void relayrl_swiglu_bwd(int64_t n, const float *dy, const float *g, const float *u, float *dg, float *du,
                         int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t i = 0; i < n; ++i) {
-        const float s = 1.f / (1.f + expf(-g[i]));
+        const float s = sigmoid(g[i]);
         du[i] = dy[i] * (g[i] * s);
         dg[i] = dy[i] * u[i] * s * (1.f + g[i] * (1.f - s));
     }
