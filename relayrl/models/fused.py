@@ -45,7 +45,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         lib, d = load_kernel(), x.shape[-1]
-        x = x.contiguous()
+        x, weight = x.contiguous(), weight.contiguous()  # C walks both as dense arrays
         y, r = torch.empty_like(x), torch.empty(x.numel() // d, dtype=torch.float32)
         lib.relayrl_rms_norm_fwd(r.numel(), d, x.data_ptr(), weight.data_ptr(), eps, y.data_ptr(), r.data_ptr(),
                                  torch.get_num_threads())
