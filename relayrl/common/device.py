@@ -80,3 +80,11 @@ def avoid_cudnn_attention(device: torch.device) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
         log.info("SDPA's cuDNN backend turned off: it re-plans per shape, and decode and packed training change "
                  "shape at every call (relayrl.common.device.avoid_cudnn_attention)")
+
+
+def plain_cpu(*tensors: torch.Tensor) -> bool:
+    """Plain CPU tensors (torch.Tensor or nn.Parameter, no subclass): the only ones whose data_ptr a C kernel may
+    take. A DTensor shard's pointer is its local piece, a GPU tensor's a device address."""
+    import torch
+
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" for t in tensors)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from relayrl.common import cbuild
+from relayrl.common.device import plain_cpu
 
 _SOURCE = Path(__file__).with_name("kernels") / "norm_swiglu.c"
 
@@ -37,8 +38,7 @@ def load_kernel() -> ctypes.CDLL | None:
 
 def _plain_f32(*tensors: torch.Tensor) -> bool:
     """Plain fp32 CPU tensors: a DTensor shard, a device pointer or another dtype must never reach C."""
-    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == torch.float32
-               for t in tensors)
+    return plain_cpu(*tensors) and all(t.dtype == torch.float32 for t in tensors)
 
 
 class _RMSNorm(torch.autograd.Function):

@@ -92,7 +92,7 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, inv_t: float, out: torc
     return z.mul_(inv_t) if inv_t != 1.0 else z
 
 
-FORWARD_ROWS = 1024  # rows per pass over the vocabulary: a block of 8k columns of a 49k vocabulary at 32 MiB
+FORWARD_ROWS = 1024  # rows per pass over the vocabulary (each pass walks it in _block_cols blocks)
 
 
 BLOCK_COLS = 1024  # vocabulary columns per block at least: a block of 1k rows' logits is 4 MiB, cache-sized
@@ -189,7 +189,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             entropy = logp.new_zeros(0)
         ctx.save_for_backward(hidden, weight, targets, entropy, lse)
         ctx.grad_target = grad_target(weight)
-        # backward walks the vocabulary in blocks of columns, as many as `rows` full rows would hold
+        # backward walks the vocabulary in the forward's blocks of columns (_block_cols) for all rows at once
         ctx.inv_t, ctx.cols, ctx.entropy_grad = inv_t, _block_cols(rows, weight.shape[0], hidden.shape[0]), \
             with_entropy and entropy_grad
         if not ctx.entropy_grad:

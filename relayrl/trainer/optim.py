@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from relayrl.common import cbuild
+from relayrl.common.device import plain_cpu
 
 CHUNK = 1 << 20  # elements per fp32 working slice (4 MB each)
 STATE_DTYPES = ("float32", "bfloat16")
@@ -51,8 +52,7 @@ def load_kernel() -> ctypes.CDLL | None:
 
 def _kernel_can_take(*tensors: torch.Tensor) -> bool:
     """Plain contiguous CPU tensors only: a DTensor shard or a device pointer must never reach C."""
-    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.is_contiguous()
-               for t in tensors)
+    return plain_cpu(*tensors) and all(t.is_contiguous() for t in tensors)
 
 
 def adamw(params: list[torch.nn.Parameter], *, state_dtype: str = "float32", **kwargs) -> torch.optim.Optimizer:

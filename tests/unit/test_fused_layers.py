@@ -102,3 +102,16 @@ def test_what_the_kernels_do_not_take_runs_through_the_modules_own_forward():
         assert norm(x).dtype == dtype and mlp(x).dtype == dtype
         assert "_RMSNormBackward" not in _graph_names(norm(x))
         assert "_SwiGLUBackward" not in _graph_names(mlp(x))
+
+
+class _Subclass(torch.Tensor):  # stands in for a DTensor shard: its data_ptr is not the whole tensor's
+    pass
+
+
+def test_a_tensor_subclass_never_reaches_the_kernel():
+    model = load_model(tiny_model("qwen2"), dtype="float32")
+    fused.install(model)
+    x = torch.randn(2, 3, model.config.hidden_size).as_subclass(_Subclass).requires_grad_()
+    assert "_RMSNormBackward" not in _graph_names(model.model.norm(x))
+    assert "_RMSNormBackward" in _graph_names(model.model.norm(torch.randn(2, 3, model.config.hidden_size,
+                                                                           requires_grad=True)))
