@@ -1,10 +1,10 @@
 """Compile one of relayrl's small C kernels for this machine, once, and cache the shared library.
 
-Five components have a C kernel (the engine's decode attention and few-row linears, the trainer's bf16-moment
-AdamW, shared-prompt attention and one-pass RMSNorm/SwiGLU); each is built with the system C compiler and
-`-march=native` into `cache_dir()/kernels`, keyed by the source, the command line,
-the CPU's feature flags and the architecture, so a cache folder shared between machines never hands a library
-to a CPU without its instructions. Where torch is restricted to a lower ISA (ATEN_CPU_CAPABILITY=avx2 or
+Six components have a C kernel (the engine's decode attention, few-row linears and decode-step norm/rotary ops, the
+trainer's bf16-moment AdamW, shared-prompt attention and one-pass RMSNorm/SwiGLU); each is built with the system C
+compiler and `-march=native` into `cache_dir()/kernels`, keyed by the source, the command line, the CPU's feature
+flags and the architecture, so a cache folder shared between machines never hands a library to a CPU without its
+instructions. Where torch is restricted to a lower ISA (ATEN_CPU_CAPABILITY=avx2 or
 default, e.g. `--cpu avx2` in the benches), the kernels are built for that ISA too (x86-64-v3 or baseline
 x86-64), so a measurement "as on an AVX2 CPU" is that for the kernels as well. The library is written to a temp
 file and renamed, so concurrent processes never load a half-written one. Callers load it with ctypes (which
@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 def kernels_enabled(name: str | None = None) -> bool:
     """RELAYRL_KERNELS=0 switches every C kernel off (PyTorch paths only); RELAYRL_KERNELS_OFF=name,... switches off
-    the named ones (the stem of their source: adamw_bf16, decode_attention, norm_swiglu, segment_attention,
-    skinny_linear), e.g. to compare one kernel with its PyTorch fallback in one run."""
+    the named ones (the stem of their source: adamw_bf16, decode_attention, decode_ops, norm_swiglu,
+    segment_attention, skinny_linear), e.g. to compare one kernel with its PyTorch fallback in one run."""
     off = {n.strip() for n in os.environ.get("RELAYRL_KERNELS_OFF", "").split(",")}
     return os.environ.get("RELAYRL_KERNELS", "1") != "0" and name not in off
 

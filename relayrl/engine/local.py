@@ -515,7 +515,8 @@ class LocalEngine:
         self.cache.decode(positions, kv_len)
         mask = (torch.arange(kv_len, device=dev)[None, :] <= positions[:, None])[:, None, None, :]
         if self.cache.fused and self.direct:  # written out (relayrl.engine.direct)
-            logits = direct.decode_logits(self.model, self.cache, torch.tensor(tokens, device=dev), positions)
+            logits = direct.decode_logits(self.model, self.cache, torch.tensor(tokens, device=dev), positions,
+                                          self.skinny_rows)
         else:
             extra = {"relayrl_cache": self.cache} if self.cache.fused else {}
             logits = self.model(input_ids=torch.tensor(tokens, device=dev)[:, None], position_ids=positions[:, None],

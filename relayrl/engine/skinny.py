@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from relayrl.common import cbuild
+from relayrl.common.device import plain_cpu
 from relayrl.common.hardware import measured, seconds_per_call
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,10 @@ _CANDIDATES = (64, 48, 32, 24, 16, 8)  # row limits tried, largest first
 
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-SIGNATURES = {"relayrl_skinny_linear_f32": ([_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int], ctypes.c_int)}
+SIGNATURES = {"relayrl_skinny_linear_f32": ([_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int], ctypes.c_int),
+              "relayrl_skinny_multi_f32": ([_I64, _I64, _PTR, _I64, ctypes.c_int, _PTR, _PTR, _PTR, ctypes.c_int],
+                                           ctypes.c_int)}
+MAX_WEIGHTS = 4  # weights per skinny_multi call (the kernel's MAX_MATS)
 
 
 @functools.cache
@@ -63,6 +67,27 @@ def skinny_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias:
     if bias is not None:
         y += bias
     return y.reshape(*x.shape[:-1], n)
+
+
+def skinny_multi(lib: ctypes.CDLL, x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[x2 @ w^T for w in weights] (x2: x as [rows, k], at most MAX_ROWS rows) in one kernel call: a decode layer's
+    q, k and v, or its gate and up, share one parallel region. Each result equals `skinny_linear`'s bit for bit."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    if (not 0 < len(weights) <= MAX_WEIGHTS or not plain_cpu(x2, *weights)
+            or any(not w.is_contiguous() or w.shape[1] != k or w.dtype != torch.float32 for w in weights)):
+        raise RuntimeError("skinny_multi takes up to 4 contiguous fp32 CPU weights of the input's width")
+    ys = [torch.empty(m, w.shape[0], dtype=torch.float32) for w in weights]
+    count = len(weights)
+    w_ptrs = (ctypes.c_void_p * count)(*[w.data_ptr() for w in weights])
+    y_ptrs = (ctypes.c_void_p * count)(*[y.data_ptr() for y in ys])
+    sizes = (ctypes.c_int64 * count)(*[w.shape[0] for w in weights])
+    if lib.relayrl_skinny_multi_f32(m, k, x2.data_ptr(), x2.stride(0), count, w_ptrs, y_ptrs, sizes,
+                                    torch.get_num_threads()):
+        raise RuntimeError(f"skinny_multi refused {m} rows (1 to {MAX_ROWS})")
+    return ys
 
 
 def _forward(module: torch.nn.Linear, inner, rows: int, x: torch.Tensor) -> torch.Tensor:

@@ -138,25 +138,41 @@ static void tiled_chunk(int64_t m, int64_t n0, int64_t n1, int64_t k, const floa
     }
 }
 
+#define MAX_MATS 4  /* weights per multi call: a layer's q, k and v, or its gate and up */
+
+/* The weight rows [n0, n1) of one matrix, at a row count known as a constant inside each case. */
+static void run_chunk(int64_t m, int64_t n0, int64_t n1, int64_t k, const float *x, int64_t x_s, const float *w,
+                      float *y, int64_t n) {
+    switch (m) { /* a constant row count: the accumulators stay in registers */
+    case 1: stream_rows(1, n0, n1, k, x, x_s, w, y, n); break;
+    case 2: stream_rows(2, n0, n1, k, x, x_s, w, y, n); break;
+    case 3: stream_rows(3, n0, n1, k, x, x_s, w, y, n); break;
+    case 4: stream_rows(4, n0, n1, k, x, x_s, w, y, n); break;
+    default: tiled_chunk(m, n0, n1, k, x, x_s, w, y, n); break;
+    }
+}
+
+/* y[i] = x @ w[i]^T for `count` weights that share x (a decode layer's q, k and v projections; its gate and up):
+ * one parallel region and one call from Python instead of one per weight, the threads sharing every matrix's chunks.
+ * Each matrix is cut at the same boundaries as alone, so each output equals the single call's bit for bit. */
+int relayrl_skinny_multi_f32(int64_t m, int64_t k, const float *x, int64_t x_s, int count, const float *const *w,
+                             float *const *y, const int64_t *n, int threads) {
+    if (m > MAX_ROWS || m < 1 || count < 1 || count > MAX_MATS) return 1;
+    /* weight rows per task: at 1-4 rows 16 (37 KB of a 576-wide matrix), else CHUNK (a multiple of every tile) */
+    const int64_t chunk = m <= FEW ? 16 : CHUNK;
+    int64_t first[MAX_MATS + 1] = {0}; /* first task of each matrix */
+    for (int i = 0; i < count; ++i) first[i + 1] = first[i] + (n[i] + chunk - 1) / chunk;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t t = 0; t < first[count]; ++t) {
+        int i = 0;
+        while (t >= first[i + 1]) ++i;
+        const int64_t n0 = (t - first[i]) * chunk, n1 = n0 + chunk < n[i] ? n0 + chunk : n[i];
+        run_chunk(m, n0, n1, k, x, x_s, w[i], y[i], n[i]);
+    }
+    return 0;
+}
+
 int relayrl_skinny_linear_f32(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_s, const float *w,
                               float *y, int threads) {
-    if (m > MAX_ROWS) return 1;
-    if (m <= FEW) {
-        const int64_t chunk = 16; /* weight rows per task: 37 KB of a 576-wide matrix; the threads share evenly */
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")
-        for (int64_t n0 = 0; n0 < n; n0 += chunk) {
-            const int64_t n1 = n0 + chunk < n ? n0 + chunk : n;
-            switch (m) { /* a constant row count: the accumulators stay in registers */
-            case 1: stream_rows(1, n0, n1, k, x, x_s, w, y, n); break;
-            case 2: stream_rows(2, n0, n1, k, x, x_s, w, y, n); break;
-            case 3: stream_rows(3, n0, n1, k, x, x_s, w, y, n); break;
-            default: stream_rows(4, n0, n1, k, x, x_s, w, y, n); break;
-            }
-        }
-        return 0;
-    }
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t n0 = 0; n0 < n; n0 += CHUNK)
-        tiled_chunk(m, n0, n0 + CHUNK < n ? n0 + CHUNK : n, k, x, x_s, w, y, n);
-    return 0;
+    return relayrl_skinny_multi_f32(m, k, x, x_s, 1, &w, &y, &n, threads);
 }
