@@ -207,15 +207,21 @@ _SOURCE = Path(__file__).with_name("kernels") / "segment_attention.c"
 _MAX_G, _MAX_D = 64, 1024  # query heads per KV head and head size the kernel's stack arrays hold (MAX_G, MAX_D)
 
 
-@functools.cache
-def load_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None (logged once) when it cannot be built or kernels are switched off."""
+def build(source: Path = _SOURCE, fallback: str = "the trainer uses the PyTorch version") -> ctypes.CDLL | None:
+    """`source` (this kernel, or another version of its file: bench/segment_attention.py) built by
+    relayrl.common.cbuild and loaded; None (logged with `fallback`) when it cannot be built or is switched off."""
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     shape, rc = [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, f32], ctypes.c_int
     signatures = {"relayrl_segment_attention_fwd": ([*shape, ptr, ptr, ctypes.c_int], rc),
                   "relayrl_segment_attention_bwd": ([*shape, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int], rc)}
-    return cbuild.load(_SOURCE, ["-O3", "-march=native", "-ffast-math", "-fopenmp"], ["-lmvec", "-lm"],
-                       signatures=signatures, fallback="the trainer uses the PyTorch version")
+    return cbuild.load(source, ["-O3", "-march=native", "-ffast-math", "-fopenmp"], ["-lmvec", "-lm"],
+                       signatures=signatures, fallback=fallback)
+
+
+@functools.cache
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (logged once) when it cannot be built or kernels are switched off."""
+    return build()
 
 
 def _kernel_can_take(*tensors: torch.Tensor) -> bool:
