@@ -57,6 +57,17 @@ def result_header(name: str) -> dict:
             "commit": git_commit(), "machine": machine_info(), "command": shlex.join([sys.executable, *sys.argv])}
 
 
+def kernel_builds(current, build, baseline_source: str | None) -> dict:
+    """{"kernel": this checkout's library (`current`), "baseline": `build(source)` of another version of its file}
+    for a kernel bench; exits with a message when one is missing (no C compiler, or kernels switched off)."""
+    libs = {"kernel": current}
+    if baseline_source:
+        libs["baseline"] = build(Path(baseline_source), fallback="no baseline")
+    if any(lib is None for lib in libs.values()):
+        sys.exit("error: a kernel did not build or kernels are switched off (RELAYRL_KERNELS)")
+    return libs
+
+
 def write_json(path: str | os.PathLike, obj: dict) -> None:
     """Write obj as indented JSON atomically (temp file in the same folder, then os.replace)."""
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")

@@ -18,7 +18,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import _common
 
@@ -68,11 +67,7 @@ def main() -> None:
 
     # built as the engine builds it (relayrl.common.cbuild: its flags, its ISA, its cache); a baseline source must
     # define every variant this one does (relayrl_decode_attention_f32_bf16kv: since 8e1d458)
-    libs = {"kernel": attention.load_kernel()}
-    if a.baseline_source:
-        libs["baseline"] = attention.build(Path(a.baseline_source), fallback="no baseline")
-    if any(lib is None for lib in libs.values()):
-        sys.exit("error: a kernel did not build or kernels are switched off (RELAYRL_KERNELS)")
+    libs = _common.kernel_builds(attention.load_kernel(), attention.build, a.baseline_source)
     cases = []
     for context in map(int, a.contexts.split(",")):
         for rows in map(int, a.rows.split(",")):

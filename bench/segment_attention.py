@@ -23,7 +23,6 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import _common
 
@@ -111,11 +110,7 @@ def main() -> None:
     a = parse_args()
     from relayrl.models import segments
 
-    libs = {"kernel": segments.load_kernel()}
-    if a.baseline_source:
-        libs["baseline"] = segments.build(Path(a.baseline_source), fallback="no baseline")
-    if any(lib is None for lib in libs.values()):
-        sys.exit("error: a kernel did not build or kernels are switched off (RELAYRL_KERNELS)")
+    libs = _common.kernel_builds(segments.load_kernel(), segments.build, a.baseline_source)
     layers, reps = (3, 2) if a.quick else (SHAPE["layers"], a.reps)
     cases = []
     for rows in map(int, a.rows.split(",")):
