@@ -22,3 +22,14 @@ def test_every_variant_is_timed_and_a_refused_row_count_is_left_out(tmp_path):
         assert rows[m]["pytorch_ms"] > 0 and rows[m]["kernel_ms"] > 0 and rows[m]["kernel_also_ms"] > 0
         assert rows[m]["kernel_vs_also"] > 0 and rows[m]["kernel_vs_pytorch"] > 0
     assert "kernel_also_ms" not in rows[64] and rows[64]["kernel_ms"] > 0
+
+
+@pytest.mark.skipif(skinny.load_kernel() is None, reason="no C compiler: the kernel did not build")
+def test_a_source_from_before_the_multi_call_is_still_compared(tmp_path):
+    # sources before 0a9ae4f export only relayrl_skinny_linear_f32: the bench calls nothing else of them
+    source = (REPO / "relayrl/engine/kernels/skinny_linear.c").read_text()
+    older = tmp_path / "skinny_linear_single.c"
+    older.write_text(source.replace("int relayrl_skinny_multi_f32(int64_t m", "static int multi_impl(int64_t m")
+                     .replace("relayrl_skinny_multi_f32(", "multi_impl("))
+    r = run_bench("skinny_rows.py", "--quick", "--also", str(older), out=tmp_path / "r.json")
+    assert all(row["kernel_also_ms"] > 0 for row in r["rows"])
