@@ -52,11 +52,15 @@ def load_kernel() -> ctypes.CDLL | None:
                        fallback="the engine's linears use PyTorch's at every batch size")
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, k] with unit stride along k (the kernel reads rows at any stride, values contiguous)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 def skinny_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., k] @ weight[n, k]^T (+ bias) with at most MAX_ROWS rows of x, fp32 CPU tensors."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     if not weight.is_contiguous() or x2.device.type != "cpu" or weight.device.type != "cpu":
         raise RuntimeError("skinny_linear takes contiguous CPU tensors")  # a device pointer in C would crash
     m, n = x2.shape[0], weight.shape[0]
@@ -72,9 +76,7 @@ def skinny_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias:
 def skinny_multi(lib: ctypes.CDLL, x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """[x2 @ w^T for w in weights] (x2: x as [rows, k], at most MAX_ROWS rows) in one kernel call: a decode layer's
     q, k and v, or its gate and up, share one parallel region. Each result equals `skinny_linear`'s bit for bit."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     m, k = x2.shape
     if (not 0 < len(weights) <= MAX_WEIGHTS or not plain_cpu(x2, *weights)
             or any(not w.is_contiguous() or w.shape[1] != k or w.dtype != torch.float32 for w in weights)):

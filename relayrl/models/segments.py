@@ -204,7 +204,7 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 # ---- the C kernel (CPU) ------------------------------------------------------------------------------------
 _SOURCE = Path(__file__).with_name("kernels") / "segment_attention.c"
-_MAX_G, _MAX_D = 64, 1024  # query heads per KV head and head size the kernel's stack arrays hold (MAX_G, MAX_D)
+_MAX_G, _MAX_D = 64, 1024  # query heads per KV head (its stack arrays) and head size the kernel takes (MAX_G, MAX_D)
 
 
 def build(source: Path = _SOURCE, fallback: str = "the trainer uses the PyTorch version") -> ctypes.CDLL | None:

@@ -13,8 +13,9 @@
  * Forward keeps one logsumexp per (query head, position); backward recomputes the probabilities from it (as
  * flash attention does), so nothing of size [queries x keys] outlives a query block. Backward takes blocks of 8
  * positions of one segment (x G query heads) at a time and walks their keys in blocks of 16, so keys, values and
- * their gradients come from L2 once per block instead of once per query (2.5-3x the first version's speed at the
- * GRPO bench's shapes as AVX2; forward 1.6-2x, bench in docs/benchmarks.md, "Training attention").
+ * their gradients come from L2 once per block instead of once per query (backward 2.4-2.9x the first version's speed
+ * at the GRPO bench's shapes as AVX2, forward 1.5-1.7x: bench/segment_attention.py, docs/benchmarks.md, "The
+ * shared-prompt attention's backward in blocks").
  *
  * Layouts (fp32, contiguous): q, dq [R, KVH * G, L, D]; k, v, dk, dv [R, KVH, L, D]; out, dout [R, L, KVH * G, D]
  * (transformers' layout after attention); lse [R, KVH * G, L]. prompt_len [R]; span [S, 3] = (row, start, len).
@@ -23,13 +24,12 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
 #define MAX_G 64  /* query heads per KV head (stack arrays in backward) */
-#define MAX_D 1024 /* head size (stack arrays) */
+#define MAX_D 1024 /* largest head size taken (relayrl/models/segments.py's _MAX_D checks the same) */
 #define QB 8       /* query positions per backward block */
 #define KB 16      /* keys per block of the backward's passes: 8 KB of k and v at D = 64, in L1 with the block's queries */
 
