@@ -255,8 +255,10 @@ def run_child(spec: dict) -> dict:
     expected_train = sum(parts[k] for k in ("runtime", "weights", "grads", "optimizer", "activations",
                                             "logits_chunk"))
     n_params = sum(p.numel() for p in trainer.model.parameters())
+    # the 16 B/param floor of fp32 training is the yardstick of every run; bf16 weights have their own, half of it
     floor, last = 16 * n_params, steps[-1]
     return {"params": n_params, "floor_gb": floor / GB, "peak_rss_gb": peak / GB, "peak_over_floor": peak / floor,
+            "own_floor_gb": trainer.floor_bytes / GB, "peak_over_own_floor": peak / trainer.floor_bytes,
             "rollout_s": last["rollout_s"], "train_s": last["train_s"], "weight_sync_s": last["weight_sync_s"],
             "step_s": last["step_s"], "tokens_per_step": last["tokens"],
             "tokens_per_s": last["tokens"] / last["step_s"], "generated_tokens_per_s":

@@ -56,7 +56,9 @@ from pathlib import Path
 import _common
 from _scaling_child import GB, MemGuard, meminfo, run_child
 
-SERIES = {"default": [], "gradient_checkpointing": ["model.gradient_checkpointing=true"]}
+SERIES = {"default": [], "gradient_checkpointing": ["model.gradient_checkpointing=true"],
+          # bf16 weights, gradients and moments (8 B/param), the other settings relayrl's defaults
+          "bf16_weights": ["model.train_dtype=bfloat16"]}
 MALLOC_VARIANTS = {  # name -> (environment, child option)
     "MALLOC_ARENA_MAX=2": ({"MALLOC_ARENA_MAX": "2"}, {}),
     "MALLOC_MMAP_THRESHOLD_=1MiB": ({"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}, {}),
@@ -161,9 +163,11 @@ def published(text: str) -> float:
     return float(text[:-1]) * {"M": 1e6, "B": 1e9}[text[-1]]
 
 
-def memory_estimate(hf_config: dict, params: int, shape: dict, micro_batch_tokens: int, checkpointing: bool) -> dict:
-    """What a step's training phase holds at least, in bytes: ~0.5 GB of runtime, the 16 B/param floor, the bf16
-    autocast weight copies backward keeps (2 B/param; recomputed per layer under checkpointing) and one
+def memory_estimate(hf_config: dict, params: int, shape: dict, micro_batch_tokens: int, checkpointing: bool,
+                    bf16_weights: bool = False) -> dict:
+    """What a step's training phase holds at least, in bytes: ~0.5 GB of runtime, the floor (16 B/param; 8 with
+    bf16 weights), the bf16 autocast weight copies backward keeps (2 B/param, none for bf16 weights; recomputed
+    per layer under checkpointing) and one
     micro-batch's activations. Activations per token and layer are ~40*hidden + 6*intermediate bytes with bf16
     autocast (measured on the 135M shape: HF's fp32 residual/RMSNorm tensors and the bf16 matmul inputs and MLP
     intermediates); checkpointing keeps only each layer's fp32 input plus one layer's worth. Allocator retention
@@ -171,7 +175,8 @@ def memory_estimate(hf_config: dict, params: int, shape: dict, micro_batch_token
     h, inter, layers = hf_config["hidden_size"], hf_config["intermediate_size"], hf_config["num_hidden_layers"]
     tokens = min(micro_batch_tokens, shape["prompts"] * (shape["prompt_len"] + shape["group"] * shape["new_tokens"]))
     per_layer = tokens * (40 * h + 6 * inter)
-    parts = {"runtime": 0.5 * GB, "floor": 16 * params, "autocast_weight_copies": 0 if checkpointing else 2 * params,
+    copies = 0 if checkpointing or bf16_weights else 2 * params
+    parts = {"runtime": 0.5 * GB, "floor": (8 if bf16_weights else 16) * params, "autocast_weight_copies": copies,
              "activations": tokens * 4 * h * layers + per_layer if checkpointing else per_layer * layers}
     return {"total": sum(parts.values()), **parts}
 
@@ -218,15 +223,18 @@ def plan(a, hf_config: dict, params: int, shape: dict, overrides: list[str], mem
     from relayrl.common.utils import checkpointing_on
 
     cfg = run_config(a, overrides)
-    gc = checkpointing_on(cfg.model.gradient_checkpointing, 16 * params, mem_total)  # as the trainer will
-    est = memory_estimate(hf_config, params, shape, cfg.train.micro_batch_tokens, gc)
+    bf16_weights = cfg.model.train_dtype == "bfloat16"
+    gc = checkpointing_on(cfg.model.gradient_checkpointing, (8 if bf16_weights else 16) * params,
+                          mem_total)  # as the trainer will
+    est = memory_estimate(hf_config, params, shape, cfg.train.micro_batch_tokens, gc, bf16_weights)
     avail = meminfo()["MemAvailable"]
     out = {"estimated_need_gb": {k: round(v / GB, 2) for k, v in est.items()}, "mem_available_gb": avail / GB}
     need = est["total"]
     if need > 0.95 * mem_total:  # the kernel and page tables need some of MemTotal too
-        half = f"; bf16 weights and optimizer state (model.train_dtype=bfloat16, 8 B/param) would need ~" \
+        half = f"; with bf16 weights, gradients and moments (--series bf16_weights, 8 B/param) it needs ~" \
                f"{(need - est['floor'] / 2) / GB:.1f} GB" if cfg.model.train_dtype == "float32" else ""
-        out["not_run"] = (f"the 16 B/param floor alone is {est['floor'] / GB:.1f} GB; with the runtime, "
+        out["not_run"] = (f"the {'8' if bf16_weights else '16'} B/param floor alone is {est['floor'] / GB:.1f} GB; "
+                          "with the runtime, "
                           f"{'' if gc else 'bf16 weight copies and '}activations a step "
                           f"needs ~{need / GB:.1f} GB, more than this machine can hold ({mem_total / GB:.1f} GB of "
                           f"RAM, no swap){half}")
@@ -332,7 +340,9 @@ def plot(res: dict, path: str, also: list[dict] = ()) -> None:
 def brief(r: dict) -> str:
     if "error" in r or "not_run" in r:
         return f"ERROR {r['error']}" if "error" in r else f"not run: {r['not_run']}"
-    return (f"peak {r['peak_rss_gb']:.2f} GB ({r['peak_over_floor']:.2f}x floor {r['floor_gb']:.2f}), "
+    own = (f", {r['peak_over_own_floor']:.2f}x its own floor {r['own_floor_gb']:.2f}"
+           if r.get("own_floor_gb", r["floor_gb"]) != r["floor_gb"] else "")
+    return (f"peak {r['peak_rss_gb']:.2f} GB ({r['peak_over_floor']:.2f}x floor {r['floor_gb']:.2f}{own}), "
             f"step {r['step_s']:.1f}s = rollout {r['rollout_s']:.1f} + train {r['train_s']:.1f}, "
             f"{r['tokens_per_s']:.0f} tok/s")
 

@@ -115,7 +115,28 @@ def resolve_dtype(setting: str, device: str = "cpu", autocast: bool | str = "aut
         return "float32", f"CPU: float32, one model for engine and trainer (bf16 not native here: {support.reason})"
     if autocast is False:
         return "float32", f"CPU: float32, one model for engine and trainer (an fp32 trainer; {support.reason})"
-    return "bfloat16", f"CPU with native bf16: bf16 engine, fp32 trainer weights with bf16 matmuls ({support.reason})"
+    return "bfloat16", f"CPU with native bf16: bf16 engine, bf16 matmuls in the trainer ({support.reason})"
+
+
+# model.train_dtype "auto" keeps fp32 weights unless their training floor (16 B/param) is at least this share of the
+# device's memory: then a step would not fit with its activations, runtime and engine (1.2-1.5x the floor measured
+# with the memory settings, docs/benchmarks.md "Scaling with model size"), and bf16 weights (8 B/param) let it run
+BF16_WEIGHTS_SHARE = 0.5
+
+
+def resolve_train_dtype(setting: str, device: str, params: int | None, memory: int | None) -> tuple[str, str]:
+    """model.train_dtype -> (dtype name, reason). "auto": float32, unless the fp32 floor of `params` trainable
+    parameters is at least BF16_WEIGHTS_SHARE of the device's `memory` and bf16 is native there (on an AVX2 CPU bf16
+    weights would run ~65x slower). None for either count: unknown, float32."""
+    if setting != "auto":
+        slow = setting == "bfloat16" and not bf16_support(device).native
+        return setting, "set in the config" + ("; bf16 is not native here: its matmuls run far slower" if slow else "")
+    if not params or not memory or 16 * params < BF16_WEIGHTS_SHARE * memory:
+        return "float32", "auto: fp32 weights fit"
+    share = f"the fp32 floor {16 * params / 1e9:.1f} GB is {16 * params / memory:.0%} of {memory / 1e9:.1f} GB"
+    if not bf16_support(device).native:
+        return "float32", f"auto: {share}, but bf16 is not native here"
+    return "bfloat16", f"auto: {share}; bf16 weights need half"
 
 
 def resolve_autocast(setting: bool | str, engine_dtype: str, device: str = "cpu") -> bool:

@@ -185,9 +185,17 @@ def tune_allocator() -> None:
 
 
 AUTO_MMAP_THRESHOLD = 1 << 20  # what fit_allocator_to sets: blocks of 1 MiB and more get their own mapping
-# memory is "tight" when the training floor (16 bytes per trainable parameter) is at least this share of the
-# memory that holds it: a step without the memory settings reaches 1.5-4x its floor (docs/benchmarks.md)
+# memory is "tight" when the training floor (training_floor: 16 bytes per fp32 parameter) is at least this share of
+# the memory that holds it: a step without the memory settings reaches 1.5-4x its floor (docs/benchmarks.md)
 TIGHT_FLOOR_SHARE = 0.2
+
+
+def training_floor(params) -> tuple[int, int]:
+    """(bytes, parameters) of the trainable `params`' floor: weights, gradients and two AdamW moments, all in the
+    weights' dtype: 16 bytes per fp32 parameter, 8 per bf16 one (model.train_dtype). Moments kept in bf16 under
+    fp32 weights (train.optimizer_state_dtype) are a saving below this floor, not a lower floor."""
+    params = [p for p in params if p.requires_grad]
+    return sum(4 * p.element_size() * p.numel() for p in params), sum(p.numel() for p in params)
 
 
 def memory_is_tight(floor_bytes: int, total_bytes: int | None) -> bool:

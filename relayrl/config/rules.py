@@ -69,6 +69,7 @@ def check_rules(cfg: Any) -> None:
             if v is not None and not ok(v):
                 raise ConfigError(f"{message}, got {v!r}", key=key)
     _check_off_policy(cfg)
+    _check_bf16_weights(cfg)
 
 
 def _check_off_policy(cfg: Any) -> None:
@@ -80,6 +81,14 @@ def _check_off_policy(cfg: Any) -> None:
           f"scheduler.mode=async with max_staleness={s.max_staleness} trains samples of older policies; without "
           "decoupled PPO they count as on-policy (ratio 1, nothing clipped). Leave algo.decoupled unset (it "
           "defaults to true here) or set scheduler.max_staleness=0")
+
+
+def _check_bf16_weights(cfg: Any) -> None:
+    """bf16 weights learn only through relayrl's AdamW, which rounds each update stochastically; FSDP2 shards torch's
+    AdamW, which would round to nearest and leave most weights where they are at RL learning rates."""
+    check(cfg.model.train_dtype != "bfloat16" or cfg.train.engine == "local", "model.train_dtype",
+          "bfloat16 weights need train.engine=local (FSDP2's AdamW would round each update to nearest bf16, and at RL "
+          "learning rates most weights would never move); with FSDP use train.fsdp_mixed_precision=true instead")
 
 
 def _lookup(cfg: Any, key: str) -> Any:

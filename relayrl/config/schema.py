@@ -23,13 +23,17 @@ from relayrl.config.trackers import DEFAULT_TRACKERS, tracker_problem
 @dataclass
 class ModelConfig:
     path: str = "smollm2"  # a local HF folder, an alias prepared on first use (smollm2), or a cached hub id org/name
-    # the trainer's weights (and AdamW state): fp32 is the safe default
-    train_dtype: Literal["float32", "bfloat16"] = "float32"
+    # the trainer's weights, gradients and AdamW moments: float32 (16 bytes/param), or bfloat16 (8 bytes/param:
+    # twice the model in the same memory; each update rounded stochastically, relayrl.trainer.optim; fast only where
+    # bf16 is native; the local trainer only); auto: float32 unless its floor is half the device's memory or more
+    # and bf16 is native there (relayrl.common.hardware.resolve_train_dtype)
+    train_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # bf16 autocast for trainer forward/backward (fp32 master weights); auto: on where bf16 is native (a GPU
     # with bf16, a CPU with AVX512-BF16 or AMX: ~0.7x the fit time), off where it is emulated (AVX2 CPUs)
     autocast_bf16: bool | Literal["auto"] = "auto"
     # recompute each layer in backward: activations of one layer, ~30% more compute; auto: on when the training
-    # floor (16 bytes per trainable parameter) is at least a fifth of the trainer device's memory (relayrl.common.utils)
+    # floor (16 bytes per trainable fp32 parameter, 8 per bf16 one) is at least a fifth of the trainer device's
+    # memory (relayrl.common.utils)
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     # what a checkpointed layer keeps instead of recomputing (relayrl.trainer.checkpointing): nothing; mlp = the MLP's
     # gate/up outputs (2/3 of the recompute's matmul work, 2 x intermediate values per token and layer); matmuls =

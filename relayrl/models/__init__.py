@@ -16,7 +16,8 @@ from relayrl.common.utils import cache_dir
 from relayrl.models.aliases import MODEL_ALIASES
 
 _HOMES = {"DTYPES": "loading", "eos_token_ids": "loading", "load_model": "loading", "load_tokenizer": "loading",
-          "resolve_model_path": "loading", "save_pretrained_atomic": "loading", "prepare_smollm2": "smollm2",
+          "resolve_model_path": "loading", "save_pretrained_atomic": "loading",
+          "stored_parameters": "loading", "prepare_smollm2": "smollm2",
           "smollm2_dir": "smollm2", "build_tiny_model": "tiny", "tiny_model": "tiny"}
 
 

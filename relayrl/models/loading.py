@@ -3,7 +3,9 @@ a hub id is read from the local Hugging Face cache, `relayrl.models.hub`)."""
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import warnings
 from pathlib import Path
 
@@ -65,6 +67,24 @@ def resolve_model_path(path_or_alias: str | os.PathLike, prepare: bool = True) -
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model path {path} has no config.json")
     return str(path)
+
+
+def stored_parameters(folder: str | os.PathLike) -> int | None:
+    """How many parameters a model folder's safetensors files hold, read from their headers (nothing is loaded):
+    what a run's precision is decided from before any weight is read. None without safetensors files."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    total = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                n = 1
+                for d in entry["shape"]:
+                    n *= d
+                total += n
+    return total if files else None
 
 
 # ---- loading -----------------------------------------------------------------------------------------

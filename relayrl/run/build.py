@@ -8,6 +8,7 @@ errors are ConfigErrors naming the key to fix. A new run whose build fails leave
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import random
@@ -18,7 +19,7 @@ import torch
 
 from relayrl.agents import AGENTS, Agent
 from relayrl.common.device import device_memory_bytes, resolve_device
-from relayrl.common.hardware import resolve_autocast, resolve_dtype
+from relayrl.common.hardware import resolve_autocast, resolve_dtype, resolve_train_dtype
 from relayrl.common.net import free_port
 from relayrl.common.utils import InputError, check_writable, fit_allocator_to, tune_allocator
 from relayrl.config import ConfigError, dump_yaml, import_named
@@ -29,7 +30,7 @@ from relayrl.engine.local import LocalEngine
 from relayrl.engine.remote import RemoteEngine
 from relayrl.engine.rollout import RolloutController
 from relayrl.judge import Judge, reward_kwargs_problem
-from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path
+from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path, stored_parameters
 from relayrl.run import checkpoint
 from relayrl.run.components import Components
 from relayrl.run.env import Env
@@ -155,14 +156,28 @@ def resolve_precision(cfg: Config, quiet: bool = False) -> Config:
     reason are printed once (the first line of the run's start block, relayrl/tracking/progress.py); config.yaml
     records the resolved dtypes (run.device stays as set: "auto" resolves again where the run resumes)."""
     device = resolve_device(cfg.run.device)
+    train_dtype, train_why = _train_dtype(cfg, device)
     dtype, why = resolve_dtype(cfg.engine.dtype, device.type, cfg.model.autocast_bf16)
     autocast = resolve_autocast(cfg.model.autocast_bf16, dtype, device.type)
     if not quiet:
         kv = "" if cfg.engine.kv_dtype in ("auto", dtype) else f" (KV cache {cfg.engine.kv_dtype})"
-        print(f"precision: engine {dtype}{kv}, trainer {cfg.model.train_dtype}"
-              f"{' + bf16 autocast' if autocast else ''} on {device} ({why})")
+        trainer = ("bfloat16 weights, gradients and moments (each update rounded stochastically)"
+                   if train_dtype == "bfloat16" else f"float32{' + bf16 autocast' if autocast else ''}")
+        print(f"precision: engine {dtype}{kv}, trainer {trainer} on {device} ({why}; trainer weights: {train_why})")
     return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, dtype=dtype),
-                               model=dataclasses.replace(cfg.model, autocast_bf16=autocast))
+                               model=dataclasses.replace(cfg.model, autocast_bf16=autocast, train_dtype=train_dtype))
+
+
+def _train_dtype(cfg: Config, device: torch.device) -> tuple[str, str]:
+    """model.train_dtype resolved (relayrl.common.hardware.resolve_train_dtype) from the parameters the model folder
+    stores, before any weight is read. LoRA trains small adapters and FSDP shards torch's AdamW: fp32 there."""
+    if cfg.model.train_dtype == "auto" and (cfg.model.lora_rank or cfg.train.engine != "local"):
+        return "float32", "auto: fp32 for LoRA adapters and FSDP"
+    params = None
+    if cfg.model.train_dtype == "auto":
+        with contextlib.suppress(FileNotFoundError):  # an alias not prepared yet: small (SmolLM2), fp32
+            params = stored_parameters(resolve_model_path(cfg.model.path, prepare=False))
+    return resolve_train_dtype(cfg.model.train_dtype, device.type, params, device_memory_bytes(device))
 
 
 def _run_folder(cfg: Config, resume: bool) -> tuple[Path, Path | None, Path | bool]:
@@ -387,7 +402,9 @@ def _memory_plan(cfg: Config, train_engine: TrainEngine) -> str:
     parts = [f"gradient checkpointing {'on' if train_engine.gradient_checkpointing else 'off'} ({how})"]
     if train_engine.device.type == "cpu":  # the trainer's heap: freed activations back to the OS at once or not
         parts.append(fit_allocator_to(floor))
-    return f"memory: training floor {floor / 1e9:.2f} GB (16 bytes/trainable param){share}; " + "; ".join(parts)
+    per_param = floor / max(train_engine.floor_params, 1)
+    return (f"memory: training floor {floor / 1e9:.2f} GB ({per_param:.0f} bytes/trainable param){share}; "
+            + "; ".join(parts))
 
 
 def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainController:

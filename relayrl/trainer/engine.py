@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from relayrl.common.device import avoid_cudnn_attention, device_memory_bytes, model_device
-from relayrl.common.utils import checkpointing_on, trim_memory
+from relayrl.common.utils import checkpointing_on, training_floor, trim_memory
 from relayrl.models import fused, load_model
 from relayrl.models.attention import install as install_attention
 from relayrl.models.attention import segments_pay_off
@@ -41,7 +41,7 @@ class TrainEngine:
                  weight_decay: float = 0.0, grad_clip: float = 1.0, temperature: float = 1.0,
                  autocast_bf16: bool = False, gradient_checkpointing: bool | str = False,
                  optimizer_state_dtype: str = "float32", checkpoint_saves: Saves = "nothing"):
-        """gradient_checkpointing "auto": on when the training floor (16 bytes per trainable parameter) is a large
+        """gradient_checkpointing "auto": on when the training floor (relayrl.common.utils.training_floor) is a large
         share of the device's memory (relayrl.common.utils.checkpointing_on); the choice is `gradient_checkpointing`.
         checkpoint_saves: what checkpointed layers keep for backward (relayrl.trainer.checkpointing)."""
         self.model = model
@@ -52,7 +52,7 @@ class TrainEngine:
         # and dropout, LoRA dropout and gradient checkpointing belong to training only
         self.model.eval()
         self._trainable = bool(params)
-        self.floor_bytes = 16 * sum(p.numel() for p in params)
+        self.floor_bytes, self.floor_params = training_floor(params)
         self.gradient_checkpointing = checkpointing_on(gradient_checkpointing, self.floor_bytes,
                                                        device_memory_bytes(self.device))
         if self.gradient_checkpointing:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from relayrl.common.device import device_memory_bytes
-from relayrl.common.utils import checkpointing_on
+from relayrl.common.utils import checkpointing_on, training_floor
 from relayrl.models.attention import install as install_attention
 from relayrl.models.attention import segments_pay_off
 from relayrl.trainer.algo import reduce_stats
@@ -102,7 +102,7 @@ class FSDPEngine(TrainEngine):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         device = (torch.device("cuda", torch.cuda.current_device())
                   if dist.get_backend() == "nccl" else torch.device("cpu"))
-        floor = 16 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # the whole model's, unsharded
+        floor, n = training_floor(model.parameters())  # the whole model's, unsharded
         # CPU ranks share the machine's RAM; GPU ranks hold a share each
         gradient_checkpointing = checkpointing_on(gradient_checkpointing,
                                                   floor // (self.world_size if device.type == "cuda" else 1),
@@ -114,7 +114,7 @@ class FSDPEngine(TrainEngine):
         self.root = _shard(model, mixed_precision)
         super().__init__(model, **kwargs)  # TrainEngine moves micro-batches to self.device, returns logprobs on CPU
         self.device = device  # the backend's device, whatever a sharded parameter reports
-        self.gradient_checkpointing, self.floor_bytes = gradient_checkpointing, floor
+        self.gradient_checkpointing, self.floor_bytes, self.floor_params = gradient_checkpointing, floor, n
 
     # ---- forward ------------------------------------------------------------------------------
     def _token_logprobs(self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool):

@@ -13,6 +13,12 @@ fp32 working copies stay a few MB. Storing the moments back needs care:
   probability of the dropped fraction), so its expected value is the fp32 one and it decays and grows as it
   should (tests/unit/test_optim.py checks both).
 
+bf16 weights (`model.train_dtype: bfloat16`, 8 bytes per parameter with their bf16 gradients and moments) always
+take this optimizer, whatever the moments' setting: torch's AdamW would store each update rounded to nearest, and an
+update at RL learning rates (~lr a step) is far below half a bf16 step of the weight (2^-9 of it), so almost no
+weight would move (measured on the tiny test model at lr 1e-6: 2% of the weights changed in a step). Here the step
+is computed in fp32 and the weight stored rounded stochastically, unbiased as the second moment is.
+
 On the CPU the step runs in a small C kernel (`kernels/adamw_bf16.c`, built once per machine by
 relayrl.common.cbuild): one pass over each parameter instead of ~15 over fp32 slices, with the rounding noise
 hashed from (step, parameter, element) instead of drawn by torch.randint; 0.1 s instead of 2 s a step for
@@ -43,8 +49,8 @@ def load_kernel() -> ctypes.CDLL | None:
     """The C library (AdamW step, stochastic rounding), or None (logged once) when it cannot be built or
     kernels are switched off."""
     f32, ptr, u32, i64 = ctypes.c_float, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int64
-    signatures = {"relayrl_adamw_bf16": ([i64, ptr, ptr, ptr, ptr, f32, f32, f32, f32, f32, f32, f32, u32,
-                                          ctypes.c_int], None),
+    step = ([i64, ptr, ptr, ptr, ptr, f32, f32, f32, f32, f32, f32, f32, u32, ctypes.c_int], None)
+    signatures = {"relayrl_adamw_bf16": step, "relayrl_adamw_bf16_weights": step,
                   "relayrl_round_bf16": ([i64, ptr, ptr, u32, ctypes.c_int], None)}
     return cbuild.load(_SOURCE, ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], signatures=signatures,
                        fallback="the PyTorch version runs")
@@ -56,11 +62,12 @@ def _kernel_can_take(*tensors: torch.Tensor) -> bool:
 
 
 def adamw(params: list[torch.nn.Parameter], *, state_dtype: str = "float32", **kwargs) -> torch.optim.Optimizer:
-    """torch's fused AdamW (one kernel per step, fp32 moments), or Bf16StateAdamW for state_dtype=bfloat16."""
-    if state_dtype == "bfloat16":
-        return Bf16StateAdamW(params, **kwargs)
-    if state_dtype != "float32":
+    """torch's fused AdamW (one kernel per step, fp32 moments), or Bf16StateAdamW for state_dtype=bfloat16 and
+    for any bf16 weights (whose updates must be rounded stochastically: module doc)."""
+    if state_dtype not in STATE_DTYPES:
         raise ValueError(f"train.optimizer_state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
+    if state_dtype == "bfloat16" or any(p.dtype == torch.bfloat16 for p in params):
+        return Bf16StateAdamW(params, **kwargs)
     return torch.optim.AdamW(params, fused=True, **kwargs)
 
 
@@ -111,7 +118,8 @@ def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Gen
 
 
 class Bf16StateAdamW(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay, bias correction as torch.optim.AdamW) with bf16 moments, fp32 math."""
+    """AdamW (decoupled weight decay, bias correction as torch.optim.AdamW) with bf16 moments, fp32 math; fp32 weights
+    or bf16 ones (stored rounded stochastically)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
@@ -144,23 +152,32 @@ class Bf16StateAdamW(torch.optim.Optimizer):
         # and the process's own random streams are left alone
         seed = int(t) * 1_000_003 + index
         m_all, v_all = state["exp_avg"], state["exp_avg_sq"]
-        if (self.kernel is not None and p.dtype == p.grad.dtype == torch.float32
-                and _kernel_can_take(p, p.grad, m_all, v_all)):
-            self.kernel.relayrl_adamw_bf16(p.numel(), p.data_ptr(), p.grad.data_ptr(), m_all.data_ptr(),
-                                           v_all.data_ptr(), lr, beta1, beta2, eps, wd, step_size, bc2_sqrt,
-                                           seed & 0xFFFFFFFF, torch.get_num_threads())
+        entry = self._kernel_entry(p, m_all, v_all)
+        if entry is not None:
+            entry(p.numel(), p.data_ptr(), p.grad.data_ptr(), m_all.data_ptr(), v_all.data_ptr(), lr, beta1, beta2,
+                  eps, wd, step_size, bc2_sqrt, seed & 0xFFFFFFFF, torch.get_num_threads())
             return
         gen = torch.Generator(p.device).manual_seed(seed)
         flat = (p.view(-1), p.grad.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1))
-        for w, g, m_bf16, v_bf16 in zip(*(x.split(CHUNK) for x in flat)):
+        for w_store, g, m_bf16, v_bf16 in zip(*(x.split(CHUNK) for x in flat)):
             g = g.float()
             m = m_bf16.float().lerp_(g, 1 - beta1)
             v = v_bf16.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            w = w_store if w_store.dtype == torch.float32 else w_store.float()
             if wd:
                 w.mul_(1 - lr * wd)
             w.addcdiv_(m, v.sqrt().div_(bc2_sqrt).add_(eps), value=-step_size)
             m_bf16.copy_(m)
             stochastic_round_(v_bf16, v, gen)
+            if w is not w_store:  # bf16 weights: rounded stochastically (module doc)
+                stochastic_round_(w_store, w, gen)
+
+    def _kernel_entry(self, p: torch.nn.Parameter, m: torch.Tensor, v: torch.Tensor):
+        """The C step for this parameter's dtypes (fp32 or bf16 weight and gradient alike), or None."""
+        if self.kernel is None or p.dtype != p.grad.dtype or not _kernel_can_take(p, p.grad, m, v):
+            return None
+        return {torch.float32: self.kernel.relayrl_adamw_bf16,
+                torch.bfloat16: self.kernel.relayrl_adamw_bf16_weights}.get(p.dtype)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch casts loaded moments to the parameter's dtype (fp32 here); keep them bf16 as saved."""

@@ -69,7 +69,12 @@ LORA = {"model.lora_rank": 4, "algo.kl_coef": 0.01}
 BF16_MOMENTS = {"train.optimizer_state_dtype": "bfloat16"}
 
 
-@pytest.mark.parametrize("algo", [{}, PPO, LORA, BF16_MOMENTS], ids=["grpo", "ppo", "lora", "bf16_moments"])
+# bf16 weights on a bf16 engine (one shared model): each update's stochastic rounding replays too
+BF16_WEIGHTS = {"model.train_dtype": "bfloat16", "engine.dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("algo", [{}, PPO, LORA, BF16_MOMENTS, BF16_WEIGHTS],
+                         ids=["grpo", "ppo", "lora", "bf16_moments", "bf16_weights"])
 def test_resume_gives_the_same_batches_and_weights(tiny_path, data, tmp_path, algo):
     """4 steps straight vs 2 steps, then a new build resuming for 2 more (first checkpoint rotated away)."""
     straight = run(tiny_path, data, tmp_path, "straight", **algo)
@@ -87,9 +92,12 @@ def test_resume_gives_the_same_batches_and_weights(tiny_path, data, tmp_path, al
     if algo is PPO:
         models.append((straight.train_ctl.critic.model, resumed.train_ctl.critic.model))
         assert resumed.train_ctl.schedule.step_count == 4
-    if algo is BF16_MOMENTS:
+    if algo is BF16_MOMENTS or algo is BF16_WEIGHTS:
         states = resumed.train_ctl.engine.optimizer.state.values()
         assert {s["exp_avg_sq"].dtype for s in states} == {torch.bfloat16}
+    if algo is BF16_WEIGHTS:
+        assert {p.dtype for p in resumed.train_ctl.engine.model.parameters()} == {torch.bfloat16}
+        assert resumed.rollout_ctl.engines[0].model is resumed.train_ctl.engine.model  # one model
     for a_model, b_model in models:
         for (n, p), (_, q) in zip(a_model.named_parameters(), b_model.named_parameters()):
             assert torch.allclose(p, q, atol=1e-6), n

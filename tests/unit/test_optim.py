@@ -46,16 +46,17 @@ def test_bf16_moments_follow_torch_adamw(use_kernel):
     torch.testing.assert_close(w.detach(), torch.tensor([-0.1, 0.1, -0.1]), atol=1e-5, rtol=0)
 
 
-def one_step(use_kernel: bool, threads: int | None = None, steps_before: int = 6):
-    """A parameter with a mid-training state (moments of varied sign and scale), stepped once more."""
+def one_step(use_kernel: bool, threads: int | None = None, steps_before: int = 6, dtype: torch.dtype = torch.float32):
+    """A parameter (of `dtype`, its gradient too) with a mid-training state (moments of varied sign and scale),
+    stepped once more; returns the weight, the state, the state and weight before, and the gradient."""
     g = torch.Generator().manual_seed(1)
-    w = torch.nn.Parameter(torch.randn(3, 1000, generator=g))
+    w = torch.nn.Parameter(torch.randn(3, 1000, generator=g).to(dtype))
     opt = Bf16StateAdamW([w], lr=1e-2, weight_decay=0.1, use_kernel=use_kernel)
     opt.state[w].update(step=torch.tensor(float(steps_before)),
                         exp_avg=(torch.randn(3, 1000, generator=g) * 0.1).bfloat16(),
                         exp_avg_sq=(torch.rand(3, 1000, generator=g) * 1e-2).bfloat16())
-    w.grad = torch.randn(3, 1000, generator=g)
-    before = {k: v.clone() for k, v in opt.state[w].items()}
+    w.grad = torch.randn(3, 1000, generator=g).to(dtype)
+    before = {"w": w.detach().clone(), **{k: v.clone() for k, v in opt.state[w].items()}}
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
@@ -79,6 +80,23 @@ def test_the_kernel_takes_the_pytorch_step():
         assert ((v.float() - v32).abs() <= v32 * BF16_ULP).all()
     torch.testing.assert_close(wk, wt, rtol=1e-5, atol=1e-6)
     assert not torch.equal(sk["exp_avg_sq"], st["exp_avg_sq"])  # two code paths ran: their noise differs
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the kernel cannot be built here")
+def test_the_kernel_takes_the_pytorch_step_on_bf16_weights():
+    """bf16 weights and gradients (model.train_dtype=bfloat16): each side stores the same fp32 step's weight on
+    one of its two bf16 neighbours, whatever the thread count (the kernel)."""
+    (wk, sk, before, grad), (wt, st, _, _) = one_step(True, dtype=torch.bfloat16), one_step(False, dtype=torch.bfloat16)
+    t, g = 7.0, grad.float()
+    m = before["exp_avg"].float().lerp(g, 0.1)
+    v = before["exp_avg_sq"].float() * 0.999 + 0.001 * g * g
+    w32 = before["w"].float() * (1 - 1e-2 * 0.1) - 1e-2 / (1 - 0.9**t) * m / (v.sqrt() / (1 - 0.999**t) ** 0.5 + 1e-8)
+    for w in (wk, wt):
+        assert w.dtype == torch.bfloat16 and ((w.float() - w32).abs() <= w32.abs() * BF16_ULP).all()
+    torch.testing.assert_close(sk["exp_avg"].float(), st["exp_avg"].float(), rtol=BF16_ULP, atol=1e-12)
+    assert not torch.equal(wk, wt)  # two code paths ran: their noise differs
+    one, two = one_step(True, threads=1, dtype=torch.bfloat16), one_step(True, threads=2, dtype=torch.bfloat16)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1]["exp_avg_sq"], two[1]["exp_avg_sq"])
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the kernel cannot be built here")
