@@ -147,3 +147,17 @@ def test_a_run_resolves_auto_from_the_parameters_its_folder_stores(tiny_path, mo
     assert build.shares_weights(cfg)  # one bf16 model for engine and trainer
     lora = resolve_precision(load_run_config(None, [f"model.path={tiny_path}", "model.lora_rank=4"]))
     assert lora.model.train_dtype == "float32"
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["rows", "shared_prompt"])
+def test_trainer_logprobs_of_bf16_weights_match_the_engine_on_the_same_model(tiny_path, share):
+    """One bf16 model decoded by the engine and scored by the trainer (what a colocated run with bf16 weights
+    does): the same tokens' logprobs agree to bf16 precision (measured: mean 0.0003-0.0006, max 0.003 nats)."""
+    model = load_model(tiny_path, dtype="bfloat16")
+    samples = rollout(model, 1.0)
+    engine = TrainEngine(model)
+    batch = Packer(10_000, pad_id=0, share_prompt=share, row_tokens=40).pack(samples)
+    for mb in batch.micro_batches:
+        batch.scatter("logp", mb, engine.forward_logprobs(mb))
+    diff = torch.cat([(lp - torch.tensor(s.logprobs)).abs() for s, lp in zip(samples, batch.per_token["logp"])])
+    assert float(diff.mean()) < 0.005 and float(diff.max()) < 0.02
