@@ -23,6 +23,7 @@ from relayrl.sample import Sample
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
 from relayrl.trainer.logprobs import token_logprobs
+from relayrl.trainer.optim import Bf16StateAdamW
 from relayrl.trainer.packer import Packer
 
 PROMPTS = [[5, 6, 7, 8, 9], [20, 21], [30] * 17, [5, 6, 7, 8, 9], [40, 41, 42], [7], [50, 51, 52, 53]]
@@ -83,9 +84,10 @@ def rollout_samples(model: torch.nn.Module) -> list[Sample]:
 
 
 def train_one_step(tiny_path: str, device: str, autocast_bf16: bool = False,
-                   algo: AlgoConfig | None = None) -> tuple[TrainController, list, dict]:
-    """One step (GRPO unless `algo`) of a TrainController on `device`; returns it, its samples and metrics."""
-    model = load_model(tiny_path, dtype="float32", device=device)
+                   algo: AlgoConfig | None = None, dtype: str = "float32") -> tuple[TrainController, list, dict]:
+    """One step (GRPO unless `algo`) of a TrainController on `device` with `dtype` weights; returns it, its samples
+    and metrics."""
+    model = load_model(tiny_path, dtype=dtype, device=device)
     samples = rollout_samples(copy.deepcopy(model))
     ctl = TrainController(TrainEngine(model, lr=1e-2, autocast_bf16=autocast_bf16), algo or AlgoConfig(),
                           TrainConfig(lr=1e-2, micro_batch_tokens=64), pad_id=0, max_new_tokens=16)
@@ -95,19 +97,22 @@ def train_one_step(tiny_path: str, device: str, autocast_bf16: bool = False,
     assert all(p.device.type == device for p in model.parameters())
     assert metrics["train/micro_batches"] > 1 and torch.isfinite(torch.tensor(metrics["train/loss"]))
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters()), "no weight changed"
-    if not autocast_bf16:  # on-policy: the trainer saw the engine's policy (same device, same fp32 weights)
+    if not autocast_bf16 and dtype == "float32":  # on-policy: the trainer saw the engine's policy (same fp32 weights)
         assert metrics["train/logprob_diff_engine_max"] < 10 * logprob_tolerance(device)
     return ctl, samples, metrics
 
 
 def check_train_step(tiny_path: str, device: str) -> None:
-    """A GRPO step in fp32, one under bf16 autocast (autocast follows the model's device type), and a PPO step
-    (the critic, built by the controller, on the policy's device)."""
+    """A GRPO step in fp32, one under bf16 autocast (autocast follows the model's device type), one with bf16
+    weights, and a PPO step (the critic, built by the controller, on the policy's device)."""
     ctl, samples, _ = train_one_step(tiny_path, device)
     mb = Packer(10_000, pad_id=0).pack(samples).micro_batches[0]
     logp = ctl.engine.forward_logprobs(mb)
     assert logp.device.type == "cpu" and logp.shape == mb.targets.shape  # the controller's per-token data is CPU
     train_one_step(tiny_path, device, autocast_bf16=True)
+    ctl, _, _ = train_one_step(tiny_path, device, dtype="bfloat16")  # model.train_dtype=bfloat16
+    assert isinstance(ctl.engine.optimizer, Bf16StateAdamW)  # updates rounded stochastically on any device
+    assert {p.dtype for p in ctl.engine.model.parameters()} == {torch.bfloat16}
     ppo = AlgoConfig(adv_estimator="gae", adv_mean="batch", adv_std="batch", critic_lr=1e-3)
     ctl, _, metrics = train_one_step(tiny_path, device, algo=ppo)
     assert ctl.critic.device.type == device and ctl.critic.model.head.weight.device.type == device

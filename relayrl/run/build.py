@@ -338,7 +338,8 @@ def weights_dir(cfg: Config, run_dir: Path) -> str:
 def shares_weights(cfg: Config) -> bool:
     """Whether the local engine can run on the trainer's own model (engine.share_trainer_weights): only when
     nothing generates while the trainer changes the weights (sync, one engine in this process) and both want the
-    same tensors (same dtype, full-parameter training on the local trainer)."""
+    same tensors (same dtype, full-parameter training on the local trainer). `cfg` has its dtypes resolved
+    (resolve_precision): an "auto" left in it never matches."""
     e = cfg.engine
     return (e.share_trainer_weights and e.kind == "local" and e.num_engines == 1 and cfg.scheduler.mode == "sync"
             and cfg.scheduler.placement != "separate" and e.dtype == cfg.model.train_dtype

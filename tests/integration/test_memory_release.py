@@ -9,7 +9,7 @@ from relayrl.config.schema import load_run_config
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.models import load_model
-from relayrl.run.build import build, shares_weights
+from relayrl.run.build import build, resolve_precision, shares_weights
 from relayrl.run.loop import train_colocated
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
@@ -83,9 +83,10 @@ def _cfg(tiny_path, tmp_path, **extra):
 
 def test_same_dtype_sync_run_shares_one_model_between_engine_and_trainer(tiny_path, tmp_path):
     cfg = _cfg(tiny_path, tmp_path)
-    assert shares_weights(cfg)
-    assert not shares_weights(_cfg(tiny_path, tmp_path, **{"scheduler.mode": "async"}))
-    assert not shares_weights(_cfg(tiny_path, tmp_path, **{"engine.dtype": "bfloat16"}))
+    resolved = lambda **extra: resolve_precision(_cfg(tiny_path, tmp_path, **extra), quiet=True)  # noqa: E731
+    assert shares_weights(resolved())  # as build asks it: dtypes resolved ("auto" -> fp32 weights here)
+    assert not shares_weights(resolved(**{"scheduler.mode": "async"}))
+    assert not shares_weights(resolved(**{"engine.dtype": "bfloat16"}))
     c = build(cfg)
     try:
         engine = c.rollout_ctl.engines[0]
