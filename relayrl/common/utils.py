@@ -10,6 +10,7 @@ import os
 import resource
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -190,7 +191,7 @@ AUTO_MMAP_THRESHOLD = 1 << 20  # what fit_allocator_to sets: blocks of 1 MiB and
 TIGHT_FLOOR_SHARE = 0.2
 
 
-def training_floor(params) -> tuple[int, int]:
+def training_floor(params: Iterable[Any]) -> tuple[int, int]:
     """(bytes, parameters) of the trainable `params`' floor: weights, gradients and two AdamW moments, all in the
     weights' dtype: 16 bytes per fp32 parameter, 8 per bf16 one (model.train_dtype). Moments kept in bf16 under
     fp32 weights (train.optimizer_state_dtype) are a saving below this floor, not a lower floor."""

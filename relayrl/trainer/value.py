@@ -21,6 +21,7 @@ from relayrl.common.device import model_device
 from relayrl.models import load_model
 from relayrl.trainer.algo import reduce_stats
 from relayrl.trainer.engine import bf16_autocast, clip_and_step
+from relayrl.trainer.optim import adamw
 from relayrl.trainer.packer import MicroBatch
 
 ValueLossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
@@ -52,8 +53,8 @@ class Critic:
         self.model = model.train()
         self.device = model_device(model)
         self.grad_clip, self.autocast_bf16 = grad_clip, autocast_bf16
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay,
-                                           fused=True)
+        # fused AdamW, or for a critic in bf16 (model.train_dtype=bfloat16) the one that rounds updates stochastically
+        self.optimizer = adamw(list(model.parameters()), lr=lr, betas=betas, weight_decay=weight_decay)
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str | torch.dtype = "float32",

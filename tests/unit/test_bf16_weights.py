@@ -161,3 +161,12 @@ def test_trainer_logprobs_of_bf16_weights_match_the_engine_on_the_same_model(tin
         batch.scatter("logp", mb, engine.forward_logprobs(mb))
     diff = torch.cat([(lp - torch.tensor(s.logprobs)).abs() for s, lp in zip(samples, batch.per_token["logp"])])
     assert float(diff.mean()) < 0.005 and float(diff.max()) < 0.02
+
+
+def test_a_bf16_critic_rounds_its_updates_too(tiny_path):
+    """PPO's critic copies the policy's dtype: in bf16 it needs the same optimizer, or its value head never learns."""
+    ppo = AlgoConfig(adv_estimator="gae", adv_mean="batch", adv_std="batch", critic_lr=1e-3)
+    controller = TrainController(TrainEngine(load_model(tiny_path, dtype="bfloat16")), ppo, TrainConfig(),
+                                 pad_id=0, max_new_tokens=16)
+    assert next(controller.critic.model.parameters()).dtype == torch.bfloat16
+    assert isinstance(controller.critic.optimizer, Bf16StateAdamW)
