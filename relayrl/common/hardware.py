@@ -99,7 +99,8 @@ def measured(name: str, measure: Callable[[], dict]) -> dict:
     return cached
 
 
-def resolve_dtype(setting: str, device: str = "cpu", autocast: bool | str = "auto") -> tuple[str, str]:
+def resolve_dtype(setting: str, device: str = "cpu", autocast: bool | str = "auto",
+                  train_dtype: str = "float32") -> tuple[str, str]:
     """An engine dtype setting -> (dtype name, reason). "auto": bfloat16 wherever bf16 is native (a GPU that has
     it, a CPU with AVX512-BF16 or AMX), float32 elsewhere. On a CPU with an fp32 trainer (`autocast` False, the
     trainer's model.autocast_bf16 as set) it stays float32: one model shared by engine and trainer, nothing to
@@ -111,10 +112,11 @@ def resolve_dtype(setting: str, device: str = "cpu", autocast: bool | str = "aut
     support = bf16_support(device)
     if device.startswith("cuda"):
         return ("bfloat16" if support.native else "float32"), support.reason
+    one = "one model for engine and trainer" if train_dtype == "float32" else "beside bf16 trainer weights"
     if not support.native:
-        return "float32", f"CPU: float32, one model for engine and trainer (bf16 not native here: {support.reason})"
+        return "float32", f"CPU: float32, {one} (bf16 not native here: {support.reason})"
     if autocast is False:
-        return "float32", f"CPU: float32, one model for engine and trainer (an fp32 trainer; {support.reason})"
+        return "float32", f"CPU: float32, {one} (an fp32 trainer; {support.reason})"
     return "bfloat16", f"CPU with native bf16: bf16 engine, bf16 matmuls in the trainer ({support.reason})"
 
 

@@ -157,7 +157,7 @@ def resolve_precision(cfg: Config, quiet: bool = False) -> Config:
     records the resolved dtypes (run.device stays as set: "auto" resolves again where the run resumes)."""
     device = resolve_device(cfg.run.device)
     train_dtype, train_why = _train_dtype(cfg, device)
-    dtype, why = resolve_dtype(cfg.engine.dtype, device.type, cfg.model.autocast_bf16)
+    dtype, why = resolve_dtype(cfg.engine.dtype, device.type, cfg.model.autocast_bf16, train_dtype)
     autocast = resolve_autocast(cfg.model.autocast_bf16, dtype, device.type)
     if not quiet:
         kv = "" if cfg.engine.kv_dtype in ("auto", dtype) else f" (KV cache {cfg.engine.kv_dtype})"

@@ -132,6 +132,7 @@ def test_auto_takes_bf16_weights_only_where_fp32_would_not_fit_and_bf16_is_nativ
     dtype, why = resolve("auto", "cpu", 1_543_714_304, 25_300_000_000)
     assert dtype == "float32" and "bf16 is not native here" in why  # AVX2: bf16 weights would crawl
     assert "bf16 is not native here" in resolve("bfloat16", "cpu", 10**6, 10**12)[1]  # set anyway: said
+    assert "beside bf16 trainer weights" in hardware.resolve_dtype("auto", "cpu", "auto", "bfloat16")[1]
 
 
 def test_a_run_resolves_auto_from_the_parameters_its_folder_stores(tiny_path, monkeypatch, capsys):
