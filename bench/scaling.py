@@ -164,10 +164,10 @@ def published(text: str) -> float:
 
 
 def memory_estimate(hf_config: dict, params: int, shape: dict, micro_batch_tokens: int, checkpointing: bool,
-                    bf16_weights: bool = False) -> dict:
-    """What a step's training phase holds at least, in bytes: ~0.5 GB of runtime, the floor (16 B/param; 8 with
-    bf16 weights), the bf16 autocast weight copies backward keeps (2 B/param, none for bf16 weights; recomputed
-    per layer under checkpointing) and one
+                    bytes_per_param: int = 16) -> dict:
+    """What a step's training phase holds at least, in bytes: ~0.5 GB of runtime, the floor (`bytes_per_param`: 16,
+    or 8 with bf16 weights), the bf16 autocast weight copies backward keeps (2 B/param, none for bf16 weights;
+    recomputed per layer under checkpointing) and one
     micro-batch's activations. Activations per token and layer are ~40*hidden + 6*intermediate bytes with bf16
     autocast (measured on the 135M shape: HF's fp32 residual/RMSNorm tensors and the bf16 matmul inputs and MLP
     intermediates); checkpointing keeps only each layer's fp32 input plus one layer's worth. Allocator retention
@@ -175,8 +175,8 @@ def memory_estimate(hf_config: dict, params: int, shape: dict, micro_batch_token
     h, inter, layers = hf_config["hidden_size"], hf_config["intermediate_size"], hf_config["num_hidden_layers"]
     tokens = min(micro_batch_tokens, shape["prompts"] * (shape["prompt_len"] + shape["group"] * shape["new_tokens"]))
     per_layer = tokens * (40 * h + 6 * inter)
-    copies = 0 if checkpointing or bf16_weights else 2 * params
-    parts = {"runtime": 0.5 * GB, "floor": (8 if bf16_weights else 16) * params, "autocast_weight_copies": copies,
+    copies = 0 if checkpointing or bytes_per_param < 16 else 2 * params
+    parts = {"runtime": 0.5 * GB, "floor": bytes_per_param * params, "autocast_weight_copies": copies,
              "activations": tokens * 4 * h * layers + per_layer if checkpointing else per_layer * layers}
     return {"total": sum(parts.values()), **parts}
 
@@ -223,18 +223,16 @@ def plan(a, hf_config: dict, params: int, shape: dict, overrides: list[str], mem
     from relayrl.common.utils import checkpointing_on
 
     cfg = run_config(a, overrides)
-    bf16_weights = cfg.model.train_dtype == "bfloat16"
-    gc = checkpointing_on(cfg.model.gradient_checkpointing, (8 if bf16_weights else 16) * params,
-                          mem_total)  # as the trainer will
-    est = memory_estimate(hf_config, params, shape, cfg.train.micro_batch_tokens, gc, bf16_weights)
+    per_param = 8 if cfg.model.train_dtype == "bfloat16" else 16  # relayrl.common.utils.training_floor
+    gc = checkpointing_on(cfg.model.gradient_checkpointing, per_param * params, mem_total)  # as the trainer will
+    est = memory_estimate(hf_config, params, shape, cfg.train.micro_batch_tokens, gc, per_param)
     avail = meminfo()["MemAvailable"]
     out = {"estimated_need_gb": {k: round(v / GB, 2) for k, v in est.items()}, "mem_available_gb": avail / GB}
     need = est["total"]
     if need > 0.95 * mem_total:  # the kernel and page tables need some of MemTotal too
         half = f"; with bf16 weights, gradients and moments (--series bf16_weights, 8 B/param) it needs ~" \
-               f"{(need - est['floor'] / 2) / GB:.1f} GB" if cfg.model.train_dtype == "float32" else ""
-        out["not_run"] = (f"the {'8' if bf16_weights else '16'} B/param floor alone is {est['floor'] / GB:.1f} GB; "
-                          "with the runtime, "
+               f"{(need - est['floor'] / 2) / GB:.1f} GB" if per_param == 16 else ""
+        out["not_run"] = (f"the {per_param} B/param floor alone is {est['floor'] / GB:.1f} GB; with the runtime, "
                           f"{'' if gc else 'bf16 weight copies and '}activations a step "
                           f"needs ~{need / GB:.1f} GB, more than this machine can hold ({mem_total / GB:.1f} GB of "
                           f"RAM, no swap){half}")

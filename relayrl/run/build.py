@@ -171,10 +171,10 @@ def resolve_precision(cfg: Config, quiet: bool = False) -> Config:
 def _train_dtype(cfg: Config, device: torch.device) -> tuple[str, str]:
     """model.train_dtype resolved (relayrl.common.hardware.resolve_train_dtype) from the parameters the model folder
     stores, before any weight is read. LoRA trains small adapters and FSDP shards torch's AdamW: fp32 there."""
-    if cfg.model.train_dtype == "auto" and (cfg.model.lora_rank or cfg.train.engine != "local"):
-        return "float32", "auto: fp32 for LoRA adapters and FSDP"
     params = None
     if cfg.model.train_dtype == "auto":
+        if cfg.model.lora_rank or cfg.train.engine != "local":
+            return "float32", "auto: fp32 for LoRA adapters and FSDP"
         with contextlib.suppress(FileNotFoundError):  # an alias not prepared yet: small (SmolLM2), fp32
             params = stored_parameters(resolve_model_path(cfg.model.path, prepare=False))
     return resolve_train_dtype(cfg.model.train_dtype, device.type, params, device_memory_bytes(device))
