@@ -38,7 +38,7 @@ def variants(also: str | None) -> dict:
     if also:
         # only the entry this bench calls: sources before the multi call (0a9ae4f) define no relayrl_skinny_multi_f32
         single = {k: v for k, v in skinny.SIGNATURES.items() if k == "relayrl_skinny_linear_f32"}
-        kernels["kernel_also"] = cbuild.load(Path(also), skinny.CFLAGS, signatures=single, fallback="not compared")
+        kernels["kernel_also"] = cbuild.load(Path(also), signatures=single, fallback="not compared")
     for name, lib in kernels.items():
         if lib is None:
             raise SystemExit(f"{name}: the kernel did not build (see the warning above)")

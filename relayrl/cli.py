@@ -1,4 +1,4 @@
-"""The `relayrl` command: train, eval, show-trajectories, plot, models, serve.
+"""The `relayrl` command: train, eval, show-trajectories, plot, models, serve, doctor.
 
 Each subcommand imports what it runs (training, serving, models and plots pull in torch, transformers, fastapi
 or matplotlib: seconds), so `relayrl --help`, `--version`, `--help-config` and config errors answer at once."""
@@ -159,6 +159,15 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from relayrl.run.doctor import report
+
+    print(version_line())
+    for line in report(remeasure=args.remeasure):
+        print(line, flush=True)
+    return 0
+
+
 def version_line() -> str:
     """`relayrl --version`: this relayrl, where it was imported from (a checkout or an installed wheel: the first
     thing to know about a bug report), and the torch and Python it runs on. torch's version comes from its
@@ -252,6 +261,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--force", action="store_true")
     m.set_defaults(fn=_models)
     _serve_parser(sub.add_parser("serve", help="serve a model over HTTP (SGLang-compatible native API + OpenAI API)"))
+    d = sub.add_parser("doctor", help="print this machine's CPU, what relayrl measured on it and what it chooses")
+    d.add_argument("--remeasure", action="store_true", help="drop this machine's cached measurements first")
+    d.set_defaults(fn=_doctor)
     return p
 
 

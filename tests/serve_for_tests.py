@@ -11,6 +11,8 @@ import sys
 import threading
 from pathlib import Path
 
+from bounds import bound
+
 ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"relayrl serve: ready on (http://\S+)")
 
@@ -41,8 +43,8 @@ class Server:
         if self.url is None:
             reader = threading.Thread(target=read, daemon=True)
             reader.start()
-            reader.join(timeout)
-        assert self.url, f"server not ready after {timeout}s; stderr:\n{self.log.read_text()[-3000:]}"
+            reader.join(bound(timeout))
+        assert self.url, f"server not ready after {bound(timeout):.0f}s; stderr:\n{self.log.read_text()[-3000:]}"
         return self.url
 
     def stop(self, timeout: float = 10.0) -> int:

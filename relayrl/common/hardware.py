@@ -6,8 +6,18 @@ Why measure: bf16 is 2-4x faster than fp32 where the CPU has AVX512-BF16 or AMX,
 it has only AVX2 (PyTorch then emulates it). torch's capability string does not tell the two apart ("AVX512"
 on both kinds of AVX-512 machine) and environment switches (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) change
 what the same CPU does. So: no bf16 flag in /proc/cpuinfo means no native bf16; otherwise a 256x256 matmul
-in both dtypes decides (a few milliseconds), cached per machine, torch version and those switches in
-~/.cache/relayrl/hardware.json. On CUDA, the device's own answer (torch.cuda.is_bf16_supported) is used.
+in both dtypes decides (`_measure`: a warm-up, then the two dtypes interleaved, the fastest of several repeats
+each, so that a busy machine slows both alike). On CUDA, the device's own answer (torch.cuda.is_bf16_supported)
+is used.
+
+Why the plausibility check: the answer is cached per machine in ~/.cache/relayrl/hardware.json and every later
+run reads it, so one measurement taken while other processes held the cores would pick the wrong precision for
+good (an AMX Xeon once cached fp32 at 4 GFLOP/s, a twentieth of what it does: OpenMP threads waiting on each other
+under load). A measurement is cached only when it agrees with the CPU's flags (`implausible`): fp32 at least
+`FP32_FLOOR_PER_THREAD` for torch's ISA, and bf16 no slower than fp32 where the CPU has AVX512-BF16 or AMX and no
+ISA switch is set. Otherwise it is taken again (`PROBE_ATTEMPTS` in all); if it still disagrees, this run goes by
+the flags and nothing is cached. Cached entries are checked the same way when read, and keyed by relayrl's and
+torch's versions, so an upgrade measures anew. `relayrl doctor` prints what was measured and chosen.
 """
 
 from __future__ import annotations
@@ -25,12 +35,22 @@ from pathlib import Path
 
 import torch
 
+from relayrl import __version__
 from relayrl.common.utils import atomic_write_text, cache_dir
 
 logger = logging.getLogger(__name__)
 
 _ENV_SWITCHES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+PROBE_ATTEMPTS = 3  # measurements before one that disagrees with the CPU flags is used for this run only
+# The least fp32 GFLOP/s of a 256x256 matmul per torch thread for torch's ISA: a third to a quarter of what the
+# slowest such cores do (one FMA unit at ~1.5 GHz), a sixth to an eighth of current ones, so only a disturbed
+# measurement falls below.
+FP32_FLOOR_PER_THREAD = {"AVX512": 20.0, "AVX2": 10.0}
+# A measurement taken while the 1-minute load was at least this share of the cores is cached for BUSY_TTL_S only:
+# it may be what other processes left of the machine, so it must not decide for good.
+BUSY_LOAD_SHARE, BUSY_TTL_S = 0.5, 3600.0
+_PROBE_FORMAT = 2  # bumped when the measurement changes meaning: older cache entries are then not read
 
 
 @dataclass(frozen=True)
@@ -76,14 +96,52 @@ def bf16_support(device: str = "cpu") -> Bf16Support:
     model, flags = _cpuinfo()
     if flags and not any(f in flags for f in _BF16_FLAGS):
         return Bf16Support(False, f"{model}: no avx512_bf16/amx_bf16 (bf16 would be emulated, ~65x slower)")
-    key = _cache_key(model, flags)
+    entry, why = probe(flags)
+    rates = f"bf16 matmul {entry['bf16_gflops']:.0f} GFLOP/s vs fp32 {entry['fp32_gflops']:.0f}"
+    if why is None:
+        native = entry["bf16_gflops"] >= entry["fp32_gflops"]
+        return Bf16Support(native, f"{model}: {rates} ({entry.get('source', 'measured')})")
+    native = _switched() is None and any(f in flags for f in _BF16_FLAGS)
+    return Bf16Support(native, f"{model}: {rates}, {why} after {PROBE_ATTEMPTS} tries: not cached, "
+                               f"{'going by the CPU flags' if native else 'bf16 not native'}")
+
+
+def probe(flags: frozenset[str]) -> tuple[dict, str | None]:
+    """This machine's matmul rates (cached, or measured up to PROBE_ATTEMPTS times and cached when plausible) and
+    why they are implausible (None: they agree with the flags). The entry's "source" says which."""
+    key = _cache_key(*_cpuinfo())
     cached = _read_cache().get(key)
-    if cached is None:
-        cached = _measure()
-        _write_cache(key, cached)
-    native = cached["bf16_gflops"] >= cached["fp32_gflops"]
-    return Bf16Support(native, f"{model}: bf16 matmul {cached['bf16_gflops']:.0f} GFLOP/s vs fp32 "
-                               f"{cached['fp32_gflops']:.0f} (measured, cached)")
+    if cached is not None and implausible(cached, flags) is None:
+        return cached | {"source": "measured, cached"}, None
+    best: dict = {}
+    for _ in range(PROBE_ATTEMPTS):
+        m = _measure() | _stamp(os.getloadavg()[0])
+        best = m if not best else m | {k: max(best[k], m[k]) for k in ("fp32_gflops", "bf16_gflops")}
+        why = implausible(best, flags)
+        if why is None:
+            _write_cache(key, best)
+            return best | {"source": "measured now, cached"}, None
+        logger.info("hardware probe: %s; measuring again", why)
+    return best | {"source": "measured now, not cached"}, why
+
+
+def implausible(entry: dict, flags: frozenset[str]) -> str | None:
+    """Why a measurement disagrees with what the CPU's flags promise (None: it agrees): fp32 below the floor of
+    torch's ISA, or bf16 slower than fp32 on a CPU with AVX512-BF16/AMX when no ISA switch is set."""
+    isa, threads = torch.backends.cpu.get_cpu_capability(), entry.get("threads", 1)
+    floor = FP32_FLOOR_PER_THREAD.get(isa, 0.0) * threads
+    if entry["fp32_gflops"] < floor:
+        return f"fp32 {entry['fp32_gflops']:.1f} GFLOP/s is below {floor:.0f}, the least of {isa} on {threads} threads"
+    bf16 = [f for f in _BF16_FLAGS if f in flags]
+    if bf16 and _switched() is None and entry["bf16_gflops"] < entry["fp32_gflops"]:
+        return f"bf16 measured slower than fp32 on a CPU with {'/'.join(bf16)}"
+    return None
+
+
+def _switched() -> str | None:
+    """The ISA switches in force (they may legitimately make bf16 emulated on a bf16 CPU), or None."""
+    on = [f"{k}={os.environ[k]}" for k in _ENV_SWITCHES if os.environ.get(k)]
+    return " ".join(on) or None
 
 
 def measured(name: str, measure: Callable[[], dict]) -> dict:
@@ -94,7 +152,8 @@ def measured(name: str, measure: Callable[[], dict]) -> dict:
     key = f"{_cache_key(model, flags)}:{name}"
     cached = _read_cache().get(key)
     if cached is None:
-        cached = measure() | {"measured_at": time.time()}
+        load = os.getloadavg()[0]
+        cached = measure() | _stamp(load)
         _write_cache(key, cached)
     return cached
 
@@ -162,17 +221,45 @@ def seconds_per_call(fn: Callable[[], object], budget: float, min_reps: int = 2)
     return elapsed / reps
 
 
-def _gflops(dtype: torch.dtype, n: int = 256, seconds: float = 0.03) -> float:
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2 * n**3 / seconds_per_call(lambda: a @ b, seconds) / 1e9
+def _measure(n: int = 256, repeats: int = 7, seconds: float = 0.002) -> dict[str, float]:
+    """GFLOP/s of an n x n matmul in fp32 and bf16 on one thread: one warm-up call each (kernel selection, page
+    faults), then `repeats` rounds alternating the dtypes, each round timing calls for >= `seconds`; the fastest
+    round counts, so a round slowed by another process does not. One thread, because the question is what a core's
+    instructions do, and two OpenMP threads on a busy machine wait on each other: on a 2-core Xeon at load 3 the
+    same matmul ran at 8 GFLOP/s on two threads and 170-190 on one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        mats = {dt: (torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)) for dt in (torch.float32, torch.bfloat16)}
+        best = dict.fromkeys(mats, float("inf"))
+        for a, b in mats.values():
+            a @ b
+        for _ in range(repeats):
+            for dt, (a, b) in mats.items():
+                calls, t0 = 0, time.perf_counter()
+                while (elapsed := time.perf_counter() - t0) < seconds or calls == 0:
+                    a @ b
+                    calls += 1
+                best[dt] = min(best[dt], elapsed / calls)
+    finally:
+        torch.set_num_threads(threads)
+    flop = 2 * n**3 / 1e9
+    return {"fp32_gflops": flop / best[torch.float32], "bf16_gflops": flop / best[torch.bfloat16], "threads": 1}
 
 
-def _measure() -> dict[str, float]:
-    return {"fp32_gflops": _gflops(torch.float32), "bf16_gflops": _gflops(torch.bfloat16), "measured_at": time.time()}
+def _stamp(load: float) -> dict:
+    """When a measurement was taken and at what 1-minute load (taken before it ran); one taken on a busy machine
+    expires after BUSY_TTL_S."""
+    now = time.time()
+    busy = load >= BUSY_LOAD_SHARE * (os.cpu_count() or 1)
+    return {"load": round(load, 2), "measured_at": now, **({"expires_at": now + BUSY_TTL_S} if busy else {})}
 
 
 def _cache_key(model: str, flags: frozenset[str]) -> str:
-    parts = [model, " ".join(sorted(flags)), torch.__version__, *(os.environ.get(k, "") for k in _ENV_SWITCHES)]
+    """This machine as the cache sees it: CPU, flags, the ISA switches, torch's thread count and the versions of
+    torch, relayrl and the probe (an upgrade measures anew)."""
+    parts = [model, " ".join(sorted(flags)), torch.__version__, __version__, str(_PROBE_FORMAT),
+             str(torch.get_num_threads()), *(os.environ.get(k, "") for k in _ENV_SWITCHES)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -181,10 +268,23 @@ def _cache_path() -> Path:
 
 
 def _read_cache() -> dict:
+    """The cached measurements that have not expired."""
     try:
-        return json.loads(_cache_path().read_text())
+        entries = json.loads(_cache_path().read_text())
     except (OSError, ValueError):
         return {}
+    now = time.time()
+    return {k: v for k, v in entries.items() if isinstance(v, dict) and v.get("expires_at", now + 1) > now}
+
+
+def forget(key: str) -> None:
+    """Drop this machine's cached measurements (`key` and its named ones): the next read measures anew."""
+    kept = {k: v for k, v in _read_cache().items() if k != key and not k.startswith(key + ":")}
+    try:
+        atomic_write_text(_cache_path(), json.dumps(kept, indent=1) + "\n")
+    except OSError as e:
+        logger.debug("hardware cache not written: %s", e)
+    bf16_support.cache_clear()
 
 
 def _write_cache(key: str, entry: dict) -> None:

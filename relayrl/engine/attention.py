@@ -28,8 +28,6 @@ from relayrl.common.device import model_device
 from relayrl.models.attention import install as install  # LocalEngine routes the model's attention here
 
 _SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
-_LIBS = ["-lmvec", "-lm"]  # -ffast-math vectorises expf through glibc's vector math library
 # (model dtype, cache dtype) -> the kernel's name suffix: a cache in the model's dtype, or an fp32 model's bf16 cache
 _VARIANTS = {(torch.bfloat16, torch.bfloat16): "bf16", (torch.float32, torch.float32): "f32",
              (torch.float32, torch.bfloat16): "f32_bf16kv"}
@@ -43,7 +41,7 @@ def build(source: Path = _SOURCE, fallback: str = "LocalEngine uses PyTorch SDPA
     args = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ctypes.c_float,
             ptr, ctypes.c_int]
     signatures = {f"relayrl_decode_attention_{name}": (args, ctypes.c_int) for name in _VARIANTS.values()}
-    return cbuild.load(source, _CFLAGS, _LIBS, signatures=signatures, fallback=fallback)
+    return cbuild.load(source, signatures=signatures, fallback=fallback)
 
 
 @functools.cache

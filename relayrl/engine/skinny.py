@@ -38,7 +38,6 @@ MAX_ROWS = 64  # the kernel's limit
 _CANDIDATES = (64, 48, 32, 24, 16, 8)  # row limits tried, largest first
 
 
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 SIGNATURES = {"relayrl_skinny_linear_f32": ([_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int], ctypes.c_int),
               "relayrl_skinny_multi_f32": ([_I64, _I64, _PTR, _I64, ctypes.c_int, _PTR, _PTR, _PTR, ctypes.c_int],
@@ -48,7 +47,7 @@ MAX_WEIGHTS = 4  # weights per skinny_multi call (the kernel's MAX_MATS)
 
 @functools.cache
 def load_kernel() -> ctypes.CDLL | None:
-    return cbuild.load(_SOURCE, CFLAGS, signatures=SIGNATURES,
+    return cbuild.load(_SOURCE, signatures=SIGNATURES,
                        fallback="the engine's linears use PyTorch's at every batch size")
 
 

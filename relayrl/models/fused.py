@@ -32,8 +32,7 @@ def load_kernel() -> ctypes.CDLL | None:
                   "relayrl_rms_norm_bwd": ([i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, th], ctypes.c_int),
                   "relayrl_swiglu_fwd": ([i64, ptr, ptr, ptr, th], None),
                   "relayrl_swiglu_bwd": ([i64, ptr, ptr, ptr, ptr, ptr, th], None)}
-    return cbuild.load(_SOURCE, ["-O3", "-march=native", "-ffast-math", "-fopenmp"], ["-lmvec", "-lm"],
-                       signatures=signatures, fallback="RMSNorm and SwiGLU run as PyTorch ops")
+    return cbuild.load(_SOURCE, signatures=signatures, fallback="RMSNorm and SwiGLU run as PyTorch ops")
 
 
 def _plain_f32(*tensors: torch.Tensor) -> bool:

@@ -214,8 +214,7 @@ def build(source: Path = _SOURCE, fallback: str = "the trainer uses the PyTorch 
     shape, rc = [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, f32], ctypes.c_int
     signatures = {"relayrl_segment_attention_fwd": ([*shape, ptr, ptr, ctypes.c_int], rc),
                   "relayrl_segment_attention_bwd": ([*shape, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int], rc)}
-    return cbuild.load(source, ["-O3", "-march=native", "-ffast-math", "-fopenmp"], ["-lmvec", "-lm"],
-                       signatures=signatures, fallback=fallback)
+    return cbuild.load(source, signatures=signatures, fallback=fallback)
 
 
 @functools.cache

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bounds import bound
 from conftest import write_sums
 
 import relayrl
@@ -31,7 +32,7 @@ def test_public_names_import_from_the_package_top():
 def test_the_python_example_trains_without_yaml(tiny_path, tmp_path):
     over = [f"{k}={v}" for k, v in _tiny(tiny_path, tmp_path, **{"run.steps": 1}).items()]
     proc = subprocess.run([sys.executable, str(REPO / "examples" / "python_api.py"), *over], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=bound(300))
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = (tmp_path / "python_api").parent.glob("python_api*")
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

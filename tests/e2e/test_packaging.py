@@ -21,6 +21,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from bounds import bound
 
 import relayrl
 from relayrl.cli import main
@@ -47,7 +48,7 @@ def _run(cmd: list[str], cwd: Path, pythonpath: Path | None = None) -> subproces
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     if pythonpath:
         env["PYTHONPATH"] = str(pythonpath)
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=bound(TIMEOUT), env=env)
 
 
 def extra_distributions(metadata: str) -> set[str]:

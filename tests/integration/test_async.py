@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bounds import bound
 from conftest import TESTS, default_sigint, tiny_run_args, write_sums
 from engines_for_tests import HaltingEngine
 from sandbox_helpers import UNAVAILABLE
@@ -201,14 +202,14 @@ def test_ctrl_c_stops_everything_quickly(tiny_path, data, tmp_path, placement, s
     proc = subprocess.Popen([sys.executable, "-m", "relayrl.cli", "train", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             preexec_fn=default_sigint if sig == signal.SIGINT else _ignore_sigint)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + bound(120)
     while not list(tmp_path.glob("run/metrics.jsonl")) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert list(tmp_path.glob("run/metrics.jsonl")), "training never started"
     proc.send_signal(sig)
     t0 = time.monotonic()
-    out, _ = proc.communicate(timeout=30)
-    assert time.monotonic() - t0 < 15, "shutdown took too long"
+    out, _ = proc.communicate(timeout=bound(30))
+    assert time.monotonic() - t0 < bound(15), "shutdown took too long"
     if sig == signal.SIGINT:
         assert proc.returncode == 130 and "interrupted" in out, out[-3000:]
     else:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bounds import bound
 from conftest import TESTS, tiny_run_args, write_sums
 from transformers import AutoModelForCausalLM
 
@@ -219,7 +220,7 @@ def test_kill_9_at_random_moments_then_resume(tiny_path, tmp_path):
                 proc.wait()
                 killed_at.append((_logged_steps(run_dir), sorted(p.name for p in checkpoint.checkpoints_dir(run_dir)
                                                                  .iterdir())))
-        out, _ = proc.communicate(timeout=300)
+        out, _ = proc.communicate(timeout=bound(300))
         assert proc.returncode in (0, -signal.SIGKILL), out[-3000:]
     assert proc.returncode == 0, out[-3000:]
     assert len(killed_at) >= 2, f"the run outran the kills: {killed_at}"

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from bounds import bound
 from conftest import TESTS, write_sums
 
 from relayrl.common.utils import read_jsonl
@@ -24,7 +25,7 @@ def run(tiny_path, data, out, name, *extra) -> subprocess.CompletedProcess:
             *extra]
     env = {**os.environ, "PYTHONPATH": TESTS, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "relayrl.cli", "train", *args], env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=bound(300))
 
 
 def test_two_fsdp_ranks_train_like_one_process(tiny_path, tmp_path):

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bounds import bound
 from conftest import TESTS, USER_OUTPUTS, tiny_run_args, write_sums
 from sandbox_helpers import UNAVAILABLE
 
@@ -101,7 +102,7 @@ def test_cli_train_runs_and_writes_a_run(tiny_path, dataset, tmp_path):
     env_path = f"{TESTS}"
     proc = subprocess.run([sys.executable, "-m", "relayrl.cli", "train", *overrides(tiny_path, dataset, tmp_path,
                                                                                      **{"run.steps": 1})],
-                          capture_output=True, text=True, timeout=300, env={"PYTHONPATH": env_path,
+                          capture_output=True, text=True, timeout=bound(300), env={"PYTHONPATH": env_path,
                                                                            "PATH": "/usr/bin:/bin",
                                                                            "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bounds import bound, run_progressing
 from conftest import TESTS, USER_OUTPUTS, default_sigint, tiny_run_args, write_sums
 from safetensors.torch import load_file
 
@@ -36,8 +37,10 @@ def args(tiny_path: str, data: str, out: Path, name: str, **extra) -> list[str]:
     return [sys.executable, "-m", "relayrl.cli", "train", *tiny_run_args(tiny_path, data, out, **over)]
 
 
-def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+def run(cmd: list[str]) -> subprocess.CompletedProcess:
+    """A relayrl run to its end: it fails when it prints nothing for 180 s (scaled to the load), not when a busy
+    machine makes it slow (tests/bounds.py)."""
+    proc = run_progressing(cmd, idle=180, env=ENV)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
 
@@ -67,11 +70,11 @@ def cluster():
 
     port = free_port()
     subprocess.run([RAY, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-                    "--disable-usage-stats"], check=True, capture_output=True, env=ENV, timeout=120)
+                    "--disable-usage-stats"], check=True, capture_output=True, env=ENV, timeout=bound(120))
     try:
         yield f"127.0.0.1:{port}"
     finally:
-        subprocess.run([RAY, "stop", "--force"], capture_output=True, env=ENV, timeout=120)
+        subprocess.run([RAY, "stop", "--force"], capture_output=True, env=ENV, timeout=bound(120))
 
 
 def test_colocated_on_ray_equals_local_run(tiny_path, local_run, cluster):
@@ -129,7 +132,7 @@ def test_join_a_running_cluster(tiny_path, local_run, cluster):
     deadline = time.monotonic() + 30
     while True:  # the cluster outlives the run, every CPU free again once its actors are gone
         status = subprocess.run([RAY, "status", f"--address={cluster}"], capture_output=True, text=True, env=ENV,
-                                timeout=60).stdout
+                                timeout=bound(60)).stdout
         if "Active" in status and "0.0/2.0 CPU" in status or time.monotonic() > deadline:
             break
         time.sleep(1)
@@ -140,7 +143,7 @@ def test_not_enough_resources_is_a_clear_error(tiny_path, local_run, cluster):
     out, data = local_run
     proc = subprocess.run(args(tiny_path, data, out, "big", launcher="ray", **{"ray.trainer_cpus": 3,
                                                                                "ray.address": cluster}),
-                          capture_output=True, text=True, timeout=120, env=ENV)
+                          capture_output=True, text=True, timeout=bound(120), env=ENV)
     assert proc.returncode != 0
     assert "needs 3 CPU" in proc.stderr and "ray.trainer_" in proc.stderr and "has 2" in proc.stderr
 
@@ -153,16 +156,16 @@ def test_ctrl_c_stops_every_actor_and_server(tiny_path, local_run, cluster):
         "ray.address": cluster}),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, preexec_fn=default_sigint)
     try:
-        _wait_for_line(proc, " 1 ", timeout=180)  # the first step's table row
+        _wait_for_line(proc, " 1 ", timeout=bound(180))  # the first step's table row
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        proc.wait(timeout=bound(60))
         assert time.monotonic() - t0 < 45
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + bound(20)
     while _leftovers(seed) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _leftovers(seed)

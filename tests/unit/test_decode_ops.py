@@ -54,6 +54,8 @@ def test_add_rms_norm_adds_in_place_and_normalises(rows, with_delta):
     direct.load_kernel().relayrl_add_rms_norm(rows, 576, h.data_ptr(), delta.data_ptr() if with_delta else None,
                                               w.data_ptr(), 1e-5, out.data_ptr(), 2)
     assert torch.allclose(h, want_h, atol=1e-6)
+    # the row's sum of squares (576 terms) reordered: <= 576 u = 3.4e-5 relative at worst, ~sqrt(576) u = 1.4e-6
+    # typical; 1/sqrt correctly rounded on both sides (no rsqrt estimate): 1e-5 holds on every target
     assert torch.allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
