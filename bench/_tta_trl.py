@@ -22,6 +22,8 @@ from relayrl.common.device import device_memory_bytes, resolve_device
 from relayrl.common.utils import checkpointing_on, import_from_path
 from relayrl.config.schema import Config
 from relayrl.data import load_rows
+from relayrl.data.datasets import system_and_suffix
+from relayrl.data.formats import prompt_messages
 from relayrl.models import resolve_model_path
 from relayrl.run.build import build, resolve_precision
 
@@ -31,11 +33,9 @@ def trl_dataset(cfg: Config):
     question + suffix, through the same chat template), and the whole row as JSON for the reward function."""
     from datasets import Dataset  # optional heavy dependency (bench extra): only the TRL side needs it
 
-    p = cfg.data.prompt
-    sys_msg = [{"role": "system", "content": p.system}] if p.system else []
+    system, suffix = system_and_suffix(cfg.data.prompt, cfg.data.train)
     rows = load_rows(cfg.data.train)
-    return Dataset.from_list([{"prompt": [*sys_msg, {"role": "user", "content": r["question"] + p.suffix}],
-                               "row": json.dumps(r)} for r in rows])
+    return Dataset.from_list([{"prompt": prompt_messages(r, system, suffix), "row": json.dumps(r)} for r in rows])
 
 
 def reward_fn(cfg: Config) -> Callable:

@@ -28,7 +28,7 @@ import time
 import _common
 
 SIDES = ("relayrl", "trl", "trl_bf16")
-SUFFIX = "\nPut your final answer within \\boxed{}."  # relayrl's default data.prompt.suffix
+SUFFIX = "\nPut your final answer within \\boxed{}."  # data.prompt.suffix of reasoning_gym: sources
 DATA_KW = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-", "*"],
            "allow_parentheses": False, "allow_negation": False}
 LR = 5e-6  # examples/arithmetic_grpo.yaml

@@ -56,7 +56,7 @@ def build(config: str, quick: bool):
     dtype = resolve_dtype(cfg.engine.dtype, "cpu", cfg.model.autocast_bf16)[0]
     engine = LocalEngine(load_model(path, dtype=dtype), eos_token_ids=eos_token_ids(tok, path),
                          max_batch_size=cfg.engine.max_batch_size, attention=cfg.engine.attention, seed=0)
-    prompt_fn = PromptBuilder(tok, cfg.data.prompt)
+    prompt_fn = PromptBuilder(tok, cfg.data.prompt, cfg.data.eval)
     prompts = [prompt_fn(r) for r in load_rows(cfg.data.eval, "data.eval")[:128]]
     return cfg, engine, prompts, dtype
 

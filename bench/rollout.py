@@ -77,8 +77,9 @@ def prompts(a) -> tuple[list[list[int]], list[int], str]:
 
     path = resolve_model_path(a.model)
     tok = load_tokenizer(path)
-    build = PromptBuilder(tok, PromptConfig())
-    rows = load_rows(DatasetConfig(source="gsm8k:test", size=a.prompts))
+    data = DatasetConfig(source="gsm8k:test", size=a.prompts)
+    build = PromptBuilder(tok, PromptConfig(), data)
+    rows = load_rows(data)
     return [build(r) for r in rows], eos_token_ids(tok, path), path
 
 

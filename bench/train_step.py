@@ -77,8 +77,9 @@ def make_batches(a, tokenizer, vocab_size: int) -> list[list]:
     from relayrl.sample import Sample
 
     rng = random.Random(a.seed)
-    rows = load_rows(DatasetConfig(source="gsm8k:train"))
-    build = PromptBuilder(tokenizer, PromptConfig())
+    data = DatasetConfig(source="gsm8k:train")
+    rows = load_rows(data)
+    build = PromptBuilder(tokenizer, PromptConfig(), data)
     batches = []
     for step in range(a.steps + 1):
         batch = []

@@ -6,13 +6,14 @@ conversation become one token-exact multi-turn trajectory. The return value is t
 """
 
 from relayrl.agents import session_of
+from relayrl.data import prompt_messages
 
 INSTRUCTION = "\nPut your final answer within \\boxed{}."
 
 
 async def episode(client, row, max_turns: int = 2, feedback: str = "That is not right. Please try again."):
     session = session_of(client)
-    messages = [{"role": "user", "content": row["question"] + INSTRUCTION}]
+    messages = prompt_messages(row, suffix=INSTRUCTION)  # the row's chat messages, or its question as a user turn
     for turn in range(max_turns):
         reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=96)
         text = reply.choices[0].message.content or ""

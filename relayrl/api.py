@@ -30,27 +30,37 @@ def load_config(path: str | None = None, overrides: Mapping[str, Any] | Sequence
     return load_run_config(path, list(overrides))
 
 
-def train(config: Config, *, agent: type | None = None, reward: Callable | None = None) -> dict[str, float]:
+Reward = Callable | Sequence[Callable]
+
+
+def train(config: Config, *, agent: type | None = None, reward: Reward | None = None,
+          reward_weights: Sequence[float] | None = None) -> dict[str, float]:
     """Train as `relayrl train` does; returns the last evaluation's metrics (empty without eval data).
 
     agent: an Agent subclass (instead of agent.kind); reward: a function (response, row, **kwargs) -> float or
-    {"reward": float, ...} (instead of judge.reward_fn)."""
-    return _train(_with_objects(config, agent, reward))
+    {"reward": float, ...}, or TRL's (prompts, completions, **columns) -> list[float | None], or a list of such
+    functions (instead of judge.reward_fn); reward_weights: one per function (instead of judge.reward_weights)."""
+    return _train(_with_objects(config, agent, reward, reward_weights))
 
 
-def evaluate(config: Config, *, agent: type | None = None, reward: Callable | None = None) -> dict[str, float]:
+def evaluate(config: Config, *, agent: type | None = None, reward: Reward | None = None,
+             reward_weights: Sequence[float] | None = None) -> dict[str, float]:
     """Evaluate config.model.path on config.data.eval with the agent and reward, as `relayrl eval` does."""
-    return _evaluate(_with_objects(config, agent, reward))
+    return _evaluate(_with_objects(config, agent, reward, reward_weights))
 
 
-def _with_objects(cfg: Config, agent: type | None, reward: Callable | None) -> Config:
+def _with_objects(cfg: Config, agent: type | None, reward: Reward | None = None,
+                  reward_weights: Sequence[float] | None = None) -> Config:
     if agent is not None:
         kind = import_path(agent)
         if agent.__module__ == "__main__":  # this process finds it by name even where __main__ is a notebook
             AGENTS[kind] = agent
         cfg = dataclasses.replace(cfg, agent=dataclasses.replace(cfg.agent, kind=kind))
     if reward is not None:
-        cfg = dataclasses.replace(cfg, judge=dataclasses.replace(cfg.judge, reward_fn=import_path(reward)))
+        paths = import_path(reward) if callable(reward) else [import_path(fn) for fn in reward]
+        cfg = dataclasses.replace(cfg, judge=dataclasses.replace(cfg.judge, reward_fn=paths))
+    if reward_weights is not None:
+        cfg = dataclasses.replace(cfg, judge=dataclasses.replace(cfg.judge, reward_weights=list(reward_weights)))
     cfg.validate()
     return cfg
 

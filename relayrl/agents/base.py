@@ -36,3 +36,7 @@ class Agent:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def close(self) -> None:
+        """Release what the agent holds beyond the run's shared parts (a ToolAgent's MCP sessions); the run
+        calls it once rollouts have stopped."""

@@ -190,8 +190,14 @@ class DatasetConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)  # reasoning_gym / function arguments
     columns: dict[str, str] = field(default_factory=dict)  # rename row fields first, {old: new}
     map: str | None = None  # "package.module:function" applied to each row after `columns` (None return: drop it)
-    prompt_key: str = "question"  # the row field holding the prompt text (after columns and map)
-    answer_key: str = "answer"  # the row field holding the reference answer (passed to the reward)
+    # the row field holding the prompt (after columns and map): text, or a list of chat messages (TRL's
+    # conversational format; a final assistant turn is the reference answer); None: question, prompt or messages,
+    # the first the row has
+    prompt_key: str | None = None
+    # the row field holding the reference answer (passed to the reward); a message-list prompt's final assistant
+    # turn stands in when the row has none; None: rows need no answer (the reward reads other columns)
+    answer_key: str | None = "answer"
+    system: str | None = None  # a system message for this dataset's prompts (None: data.prompt.system)
 
     def validate(self) -> None:
         check(bool(self.source), "source", "is required (e.g. gsm8k:train, reasoning_gym:basic_arithmetic)")
@@ -204,8 +210,10 @@ class DatasetConfig:
 
 @dataclass
 class PromptConfig:
-    system: str | None = None  # a system message put before every prompt
-    suffix: str = "\nPut your final answer within \\boxed{}."  # appended to every prompt
+    system: str | None = None  # a system message put before every prompt (data.train/eval.system override it)
+    # appended to each prompt's last user message; None: the source's own, the boxed-answer instruction for
+    # gsm8k: and reasoning_gym: sources and nothing for your data (the task says how to answer)
+    suffix: str | None = None
     chat_template: bool = True  # wrap prompts in the tokenizer's chat template (false: raw text)
 
 
@@ -225,9 +233,13 @@ class DataConfig:
 
 @dataclass
 class JudgeConfig:
-    reward_fn: str = "relayrl.judge.math:math_reward"  # module:function scoring (response text, row) -> reward
+    # module:function scoring (response text, row) -> reward, or written as TRL's (prompts, completions,
+    # **columns) -> list[float | None]; or a list of such functions, whose rewards add up (see reward_weights)
+    reward_fn: str | list[str] = "relayrl.judge.math:math_reward"
+    reward_weights: list[float] | None = None  # one weight per reward_fn entry (null: all 1.0), as TRL's
     kwargs: dict[str, Any] = field(default_factory=dict)  # reward_fn keyword arguments (checked at start)
-    timeout: float = 10.0  # seconds per reward call; a call past it costs that sample only
+    timeout: float = 10.0  # seconds per reward call (a batch, for TRL-style functions); past it costs its samples
+    batch_size: int = 32  # most samples per call of a TRL-style (batched) reward function
     workers: int = 2  # reward worker processes
     memory_mb: int = 4096  # address-space cap per reward worker (RLIMIT_AS; CUDA in a worker needs 0: none)
     max_abs_reward: float | None = 1e4  # |reward| above this rejects the sample (null: only NaN/inf are rejected)
@@ -235,6 +247,11 @@ class JudgeConfig:
     def validate(self) -> None:
         check(self.timeout > 0, "timeout", "must be > 0 seconds")
         check(self.workers >= 1, "workers", "must be >= 1")
+        check(self.batch_size >= 1, "batch_size", "must be >= 1")
+        fns = self.reward_fn if isinstance(self.reward_fn, list) else [self.reward_fn]
+        check(bool(fns), "reward_fn", "names no function: give 'module:function' or a list of them")
+        check(self.reward_weights is None or len(self.reward_weights) == len(fns), "reward_weights",
+              f"has {len(self.reward_weights or [])} weights for {len(fns)} reward function(s): one per function")
 
 
 @dataclass

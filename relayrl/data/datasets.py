@@ -3,9 +3,11 @@
 or a user function.
 
 Every source becomes a list of rows `{"question": str, "answer": str, ...}` validated up front, so
-a malformed row is reported (file, line, missing key) before any model is loaded. Every problem with a
-file (not UTF-8, invalid JSON, a row that is not an object) is an `InputError` naming the file and line,
-which the CLI prints without a traceback. Fields are mapped by `columns` and `map` (`relayrl.data.fields`).
+a malformed row is reported (file, line, missing key) before any model is loaded. Prompts may be text or chat
+messages (TRL's standard and conversational formats, `relayrl.data.formats`); every other column is kept.
+Every problem with a file (not UTF-8, invalid JSON, a row that is not an object) is an `InputError` naming the
+file and line, which the CLI prints without a traceback. Fields are mapped by `columns` and `map`
+(`relayrl.data.fields`).
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ from relayrl.common.utils import InputError, import_from_path
 from relayrl.config.loader import decode_utf8
 from relayrl.config.schema import DatasetConfig, PromptConfig
 from relayrl.data.fields import map_row, row_function
+from relayrl.data.formats import MESSAGES, normalise_row, prompt_messages
 
 GSM8K_ENV = "RELAYRL_GSM8K_DIR"
 BUILTIN_GSM8K = Path(__file__).resolve().parent / "builtin" / "gsm8k"
 DECOMPRESS = {".gz": gzip.decompress, ".xz": lzma.decompress, ".bz2": bz2.decompress}
 HF_SUFFIXES = (".parquet", ".csv", ".tsv", ".arrow")  # read through Hugging Face datasets
 Located = tuple[str, Any]  # (where, for errors: 'file:line' / 'file[i]'; the raw row)
+BUILTIN_SOURCES = ("gsm8k:", "reasoning_gym:")  # shipped tasks: they come with their answer-format instruction
+BOXED_SUFFIX = "\nPut your final answer within \\boxed{}."  # that instruction (math_reward reads \boxed{})
 
 
 def gsm8k_search_path() -> list[Path]:
@@ -122,11 +127,14 @@ def _raw_rows(cfg: DatasetConfig, key: str) -> Iterable[Located]:
     return _read_file(path)
 
 
-def load_rows(cfg: DatasetConfig, key: str = "data.train") -> list[dict[str, Any]]:
-    """Load, validate and normalise a dataset to rows with 'question' and 'answer' strings.
+def load_rows(cfg: DatasetConfig, key: str = "data.train", prompt: PromptConfig | None = None) -> list[dict[str, Any]]:
+    """Load, validate and normalise a dataset to rows with a 'question' string, an 'answer' string (unless
+    `answer_key` is null) and, for chat-message prompts, 'prompt_messages' (`relayrl.data.formats`).
 
-    `key` is the config section (data.train / data.eval) that error messages name."""
+    `key` is the config section (data.train / data.eval) that error messages name. With `prompt` given, rows
+    are also checked against it (message prompts need the chat template), so that fails before a model loads."""
     fn = row_function(cfg, key)  # a bad map function fails before any file is read
+    raw_text = prompt is not None and not prompt.chat_template
     out = []
     for where, raw in _raw_rows(cfg, key):
         if not isinstance(raw, dict):
@@ -134,11 +142,11 @@ def load_rows(cfg: DatasetConfig, key: str = "data.train") -> list[dict[str, Any
         row = map_row(where, raw, cfg, fn, key)
         if row is None:
             continue
-        for field in (cfg.prompt_key, cfg.answer_key):
-            if field not in row or row[field] in (None, ""):
-                raise InputError(f"{where}: row has no {field!r} (keys: {sorted(row)}); "
-                                 f"set {key}.prompt_key / answer_key, or map it with {key}.columns / map")
-        out.append({**row, "question": str(row[cfg.prompt_key]), "answer": str(row[cfg.answer_key])})
+        row = normalise_row(where, row, cfg, key)
+        if raw_text and MESSAGES in row:
+            raise InputError(f"{where}: the prompt is a list of chat messages but data.prompt.chat_template is "
+                             f"false (raw text); chat messages need the chat template")
+        out.append(row)
         if cfg.size is not None and len(out) >= cfg.size:
             break
     if not out:
@@ -146,21 +154,39 @@ def load_rows(cfg: DatasetConfig, key: str = "data.train") -> list[dict[str, Any
     return out
 
 
-class PromptBuilder:
-    """Turn a row into prompt token ids: chat template with the question (+ suffix) as the user turn."""
+def default_suffix(source: str) -> str:
+    """The answer-format instruction a source brings: the shipped tasks theirs, the user's data none (its task
+    says how to answer; a hidden instruction would change what the model is asked)."""
+    return BOXED_SUFFIX if source.startswith(BUILTIN_SOURCES) else ""
 
-    def __init__(self, tokenizer, cfg: PromptConfig):
+
+def system_and_suffix(cfg: PromptConfig, dataset: DatasetConfig | None) -> tuple[str | None, str]:
+    """The system prompt and suffix `dataset`'s rows get: its own `system` over cfg.system, and cfg.suffix or,
+    left at None, the source's own (no dataset: no default suffix)."""
+    system = dataset.system if dataset is not None and dataset.system is not None else cfg.system
+    suffix = cfg.suffix if cfg.suffix is not None else default_suffix(dataset.source if dataset else "")
+    return system, suffix
+
+
+class PromptBuilder:
+    """Turn a row into prompt token ids: the chat template over the row's messages (a text prompt is one user
+    turn), with the system prompt and the suffix resolved for `dataset` (its `system` overrides cfg.system; a
+    suffix left at None is the source's own, `default_suffix`). Without a dataset, rows get no default suffix."""
+
+    def __init__(self, tokenizer, cfg: PromptConfig, dataset: DatasetConfig | None = None):
         self.tokenizer, self.cfg = tokenizer, cfg
+        self.system, self.suffix = system_and_suffix(cfg, dataset)
         if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError("data.prompt.chat_template is true but the tokenizer has no chat template")
 
-    def messages(self, row: dict[str, Any]) -> list[dict[str, str]]:
-        msgs = [{"role": "system", "content": self.cfg.system}] if self.cfg.system else []
-        return msgs + [{"role": "user", "content": row["question"] + self.cfg.suffix}]
+    def messages(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        return prompt_messages(row, self.system, self.suffix)
 
     def text(self, row: dict[str, Any]) -> str:
         if not self.cfg.chat_template:
-            return row["question"] + self.cfg.suffix
+            if MESSAGES in row:
+                raise ValueError("a chat-message prompt needs data.prompt.chat_template: true")
+            return row["question"] + self.suffix
         return self.tokenizer.apply_chat_template(self.messages(row), tokenize=False, add_generation_prompt=True)
 
     def __call__(self, row: dict[str, Any]) -> list[int]:

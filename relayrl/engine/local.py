@@ -115,6 +115,7 @@ class LocalEngine:
         self._step_lock = threading.Lock()  # held by the worker for each step, by others via _between_steps
         # callers of _between_steps that arrived / were served: a step waits for those who arrived before it
         self._arrived = self._served = 0
+        self.waited_steps = 0  # steps the last _between_steps caller waited through (tests/unit/test_engine.py)
         self._paused = False
         self._closed = False
         self._version = 0
@@ -291,8 +292,11 @@ class LocalEngine:
         aborting in a loop) cannot stop generation."""
         with self._cond:
             self._arrived += 1
+            arrived_at = self.stats["steps"]
         try:
             with self._step_lock:
+                # steps that began after this caller arrived: 0 or 1 (the one in progress), whatever the load
+                self.waited_steps = self.stats["steps"] - arrived_at
                 yield
         finally:
             with self._cond:

@@ -1,31 +1,43 @@
-"""Judges: score finished samples with a reward function, isolated in worker processes.
+"""Judges: score finished samples with reward functions, isolated in worker processes.
 
 `Judge` is the component; `math_reward` the default reward (math-verify based); `TimeoutPool` the process
-pool underneath, usable for any call that may hang or crash (code execution, verifiers).
+pool underneath, usable for any call that may hang or crash (code execution, verifiers). Reward functions are
+relayrl's per-sample `(response, row)` or TRL's batched `(prompts, completions, **columns)`, one or several
+with weights (relayrl/judge/functions.py, relayrl/judge/batch.py).
 """
 
+from relayrl.judge.functions import (
+    BATCHED,
+    ROW,
+    RewardRejected,
+    arguments_problem,
+    reward_kwargs_problem,
+    reward_problem,
+    style_of,
+)
 from relayrl.judge.judge import (
     DEFAULT_REWARD,
     REJECTED_PREFIX,
     Judge,
-    RewardRejected,
     reward_fn_path,
-    reward_kwargs_problem,
-    reward_problem,
 )
 from relayrl.judge.math import math_reward
 from relayrl.judge.pool import RemoteError, TimeoutPool, WorkerCrashed
 
 __all__ = [
+    "BATCHED",
     "DEFAULT_REWARD",
     "REJECTED_PREFIX",
     "Judge",
     "RemoteError",
+    "ROW",
     "RewardRejected",
     "TimeoutPool",
     "WorkerCrashed",
+    "arguments_problem",
     "math_reward",
     "reward_fn_path",
     "reward_kwargs_problem",
     "reward_problem",
+    "style_of",
 ]

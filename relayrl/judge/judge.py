@@ -10,7 +10,8 @@ away from it, and a NaN or 1e30 would poison a whole batch's advantages. Cancell
 propagates (that is the caller's own decision, not a failure).
 
 Reasons: nonfinite (NaN, inf), out_of_range (|reward| > max_abs_reward), invalid (not a number, or a dict
-without "reward"), error (the function raised), timeout, memory (the worker hit its memory cap), crashed.
+without "reward", or a batched function's list of the wrong length), error (the function raised), timeout,
+memory (the worker hit its memory cap), crashed, no_reward (every function returned None for the sample).
 
 The reward function is named by import path ('package.module:function') because it must be importable
 in another process; a callable is accepted only if it is reachable by such a path. The path is imported
@@ -20,16 +21,25 @@ typo fails at start-up rather than as a stream of zero rewards.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
-import numbers
 import pickle
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from relayrl.common.utils import import_from_path
+from relayrl.judge.batch import BatchScorer, Coalescer, Request
+from relayrl.judge.functions import (
+    ROW,
+    RewardRejected,
+    batched_kwargs_problem,
+    describe,
+    is_number,
+    reward_kwargs_problem,
+    reward_problem,
+    weights_problem,
+)
 from relayrl.judge.pool import RemoteError, TimeoutPool, WorkerCrashed
 from relayrl.sample import Sample
 
@@ -38,14 +48,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_REWARD = "relayrl.judge.math:math_reward"
 _MAX_REASON = 300  # characters of sample.error: enough to diagnose, short enough to log per sample
 REJECTED_PREFIX = "judge_rejected_"  # + reason: the metric key a rejected judgement carries
-
-
-class RewardRejected(ValueError):
-    """The reward function answered, but with something that must not be trained on."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
+RewardSpec = str | Callable[..., Any]  # an import path or an importable function
+Judgement = tuple[float, dict[str, float], str | None]  # reward, metrics, error (None: not rejected)
 
 
 class Judge:
@@ -55,16 +59,29 @@ class Judge:
     "reward" and optionally other numeric metrics (non-numeric extras are dropped). `sample.reward` is set
     and `sample.metrics` gets the metrics plus "reward" and "judge_failed". `calls` and `failures` count
     judgements; `memory_mb` > 0 caps each worker's address space (a call over it is rejected as "memory").
+
+    reward_fn may also be a list, and any function may be written TRL's way, `fn(prompts, completions,
+    **columns) -> list[float | None]` (relayrl/judge/functions.py says how the two kinds are told apart and
+    what a batched function receives). Then the reward is the weighted sum (`reward_weights`, default all
+    1.0) of the values given, batched functions are called on up to `batch_size` samples at once, and each
+    function's value is the metric "reward/<name>" (relayrl/judge/batch.py).
     """
 
-    def __init__(self, reward_fn: str | Callable[..., Any] = DEFAULT_REWARD,
+    def __init__(self, reward_fn: RewardSpec | list[RewardSpec] = DEFAULT_REWARD,
                  reward_kwargs: dict[str, Any] | None = None, timeout: float = 10.0, workers: int = 2, *,
-                 max_abs_reward: float | None = None, memory_mb: int = 0):
-        self.reward_path = reward_fn_path(reward_fn)
+                 max_abs_reward: float | None = None, memory_mb: int = 0,
+                 reward_weights: list[float] | None = None, batch_size: int = 32):
+        specs = list(reward_fn) if isinstance(reward_fn, list | tuple) else [reward_fn]
+        paths = [reward_fn_path(spec) for spec in specs]
+        if not paths:
+            raise ValueError("reward_fn: give at least one reward function")
+        if (problem := weights_problem(len(paths), reward_weights)) is not None:
+            raise ValueError(f"reward_weights {problem}")
+        weights = reward_weights if reward_weights is not None else [1.0] * len(paths)
+        self.functions = [describe(import_from_path(p), p, w) for p, w in zip(paths, weights, strict=True)]
+        self.reward_path = ", ".join(paths)
         self.reward_kwargs = dict(reward_kwargs or {})
-        problem = reward_kwargs_problem(import_from_path(self.reward_path), self.reward_kwargs)
-        if problem is not None:
-            raise TypeError(f"reward_kwargs[{problem[0]!r}]: {problem[1]}" if problem[0] else problem[1])
+        self._check_functions()
         if max_abs_reward is not None and not max_abs_reward > 0:
             raise ValueError(f"max_abs_reward must be > 0 (or None: no bound), got {max_abs_reward}")
         self.max_abs_reward = max_abs_reward
@@ -75,34 +92,59 @@ class Judge:
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.timeout = float(timeout)
-        path = self.reward_path
-        module = path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
-        self.pool = TimeoutPool(workers, preload=(module,), name="relayrl-judge", memory_mb=memory_mb)
+        modules = [p.partition(":")[0] if ":" in p else p.rpartition(".")[0] for p in paths]
+        modules += ["relayrl.judge.functions"] if any(f.style != ROW for f in self.functions) else []
+        self.pool = TimeoutPool(workers, preload=tuple(dict.fromkeys(modules)), name="relayrl-judge",
+                                memory_mb=memory_mb)
         self.calls = 0
         self.failures = 0
+        # one (response, row) function without weights: scored per sample, as relayrl always has
+        single = len(self.functions) == 1 and self.functions[0].style == ROW and reward_weights is None
+        scorer = BatchScorer(self.functions, self.pool, self.reward_kwargs, self.timeout, max_abs_reward,
+                             lambda failed: self._reason(failed.error, failed.f.label, failed.n))
+        self.batches = None if single else Coalescer(self._score_batch(scorer), batch_size, workers)
+
+    def _check_functions(self) -> None:
+        """judge.kwargs against every function's signature, and distinct names (each is a metric): mistakes
+        fail at construction, not as a stream of rejected samples."""
+        for f in self.functions:
+            fn = import_from_path(f.path)
+            problem = (reward_kwargs_problem(fn, self.reward_kwargs) if f.style == ROW
+                       else batched_kwargs_problem(f, fn, self.reward_kwargs))
+            if problem is not None:
+                raise TypeError(f"reward_kwargs[{problem[0]!r}]: {problem[1]}" if problem[0] else problem[1])
+        names = [f.name for f in self.functions]
+        if len(set(names)) < len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"two reward functions are named {twice!r}: each is logged as reward/<name>, rename one")
 
     async def judge(self, sample: Sample) -> Sample:
         """Set `sample.reward` and merge metrics; on any failure reward 0.0 and `sample.error` says why."""
-        reward, metrics, error = await self.score(sample.response_text, sample.data, sample.uid)
+        reward, metrics, error = await self.score(sample.response_text, sample.data, sample.uid, sample.response_ids)
         sample.reward = reward
         sample.metrics.update(metrics)
         if error is not None:
             sample.error = error
         return sample
 
-    async def score(self, text: str, data: dict[str, Any],
-                    uid: str = "?") -> tuple[float, dict[str, float], str | None]:
+    async def score(self, text: str, data: dict[str, Any], uid: str = "?",
+                    completion_ids: list[int] | None = None) -> tuple[float, dict[str, float], str | None]:
         """Score any text against a row (agents judge single turns with this): (reward, metrics, error).
 
         metrics always holds "reward" and "judge_failed"; on failure the reward is 0.0, error says why and
         metrics also holds "judge_rejected_<reason>" (see the module docstring): the sample is not trained on.
+        With several or batched functions, concurrent calls are scored together (relayrl/judge/batch.py) and
+        metrics also hold each function's value as "reward/<name>". completion_ids: the text's token ids, for
+        batched functions that take them.
         """
         self.calls += 1
+        if self.batches is not None:
+            return await self.batches.submit(Request(text, data, uid, completion_ids))
         try:
             out = await self.pool.call(self.reward_path, (text, data), self.reward_kwargs, timeout=self.timeout)
             reward, metrics = _reward_and_metrics(out, self.max_abs_reward)
         except Exception as e:  # CancelledError is a BaseException and propagates, as it should
-            reason, text = self._reason(e)
+            reason, text = self._reason(e, self.reward_path)
             failed = {"reward": 0.0, "judge_failed": 1.0, REJECTED_PREFIX + reason: 1.0}
             return 0.0, failed, self._fail(uid, text)
         return reward, {**metrics, "reward": reward, "judge_failed": 0.0}, None
@@ -137,26 +179,48 @@ class Judge:
     async def __aexit__(self, *exc: object) -> None:
         self.close()
 
-    def _fail(self, uid: str, reason: str) -> str:
-        self.failures += 1
-        if self.failures <= 5 or self.failures % 100 == 0:  # visible, but not one line per sample forever
-            logger.warning("judge failure %d of %d calls (sample %s): %s", self.failures, self.calls, uid, reason)
+    def _score_batch(self, scorer: BatchScorer) -> Callable[[list[Request]], Awaitable[list[Judgement]]]:
+        """The Coalescer's batch function: score, then turn each failure into a rejected judgement (one log line
+        per distinct failure of the batch, not one per sample)."""
+        async def run(batch: list[Request]) -> list[Judgement]:
+            out: list[Judgement] = []
+            failed: dict[str, list[str]] = {}
+            for r, (reward, metrics, failure) in zip(batch, await scorer.score(batch), strict=True):
+                if failure is None:
+                    out.append((reward or 0.0, {**metrics, "reward": reward or 0.0, "judge_failed": 0.0}, None))
+                    continue
+                reason, text = failure
+                out.append((0.0, {"reward": 0.0, "judge_failed": 1.0, REJECTED_PREFIX + reason: 1.0}, text))
+                failed.setdefault(text, []).append(r.uid)
+            for text, uids in failed.items():
+                self._fail(uids[0], text, len(uids))
+            return out
+
+        return run
+
+    def _fail(self, uid: str, reason: str, n: int = 1) -> str:
+        before = self.failures
+        self.failures += n
+        if before < 5 or self.failures // 100 > before // 100:  # visible, but not one line per sample forever
+            who = f"sample {uid}" if n == 1 else f"{n} samples, e.g. {uid}"
+            logger.warning("judge failure %d of %d calls (%s): %s", self.failures, self.calls, who, reason)
         return reason
 
-    def _reason(self, e: Exception) -> tuple[str, str]:
-        """(reason code, one-line text) of a failed judgement."""
+    def _reason(self, e: Exception, label: str, n: int = 1) -> tuple[str, str]:
+        """(reason code, one-line text) of a failed judgement; label names the function, n the samples it cost."""
+        batch = f" on a batch of {n} samples" if n > 1 else ""
         if isinstance(e, RewardRejected):
-            reason, text = e.reason, f"reward {self.reward_path} {e}"
+            reason, text = e.reason, f"reward {label} {e}"
         elif isinstance(e, TimeoutError):
-            reason, text = "timeout", f"reward {self.reward_path} timed out after {self.timeout:g}s"
+            reason, text = "timeout", f"reward {label} timed out after {self.timeout:g}s{batch}"
         elif isinstance(e, RemoteError) and (e.exc_type == "MemoryError" or (
                 self.pool.memory_mb and "out of memory" in e.message.lower())):  # CUDA's error under the cap
             reason = "memory"
-            text = f"reward {self.reward_path} ran out of memory (judge.memory_mb={self.pool.memory_mb})"
+            text = f"reward {label} ran out of memory{batch} (judge.memory_mb={self.pool.memory_mb})"
         elif isinstance(e, RemoteError):
-            reason, text = "error", f"reward {self.reward_path} raised {e.exc_type}: {e.message}"
+            reason, text = "error", f"reward {label} raised {e.exc_type}{batch}: {e.message}"
         elif isinstance(e, WorkerCrashed):
-            reason, text = "crashed", f"reward worker crashed: {e}"
+            reason, text = "crashed", f"reward worker crashed running {label}{batch}: {e}"
         else:
             reason, text = "error", f"{type(e).__name__}: {e}"
         text = "judge: " + " ".join(text.split())
@@ -170,58 +234,13 @@ def _reward_and_metrics(out: Any, bound: float | None = None) -> tuple[float, di
             raise RewardRejected("invalid", f"returned a dict without 'reward' (keys: {sorted(map(str, out))})")
         reward = out["reward"]
         metrics = {str(k): float(v) for k, v in out.items()
-                   if k != "reward" and _is_number(v) and math.isfinite(float(v))}
+                   if k != "reward" and is_number(v) and math.isfinite(float(v))}
     else:
         reward, metrics = out, {}
     reason = reward_problem(reward, bound)
     if reason is not None:
         raise RewardRejected(reason, f"returned a {reason.replace('_', '-')} reward: {reward!r:.80}")
     return float(reward), metrics
-
-
-def reward_problem(reward: Any, bound: float | None = None) -> str | None:
-    """Why `reward` must not be trained on ("invalid", "nonfinite", "out_of_range"), or None if it is fine.
-
-    Used on the judge's answers and again on every finished sample, whoever set its rewards (an agent or an
-    episode function may set them without the judge).
-    """
-    if not _is_number(reward):
-        return "invalid"
-    if not math.isfinite(float(reward)):
-        return "nonfinite"
-    if bound is not None and abs(float(reward)) > bound:
-        return "out_of_range"
-    return None
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, numbers.Real)
-
-
-def reward_kwargs_problem(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str, str] | None:
-    """(name, why) for the first keyword argument `fn(response, data, **kwargs)` would not accept, or for a
-    required argument kwargs leaves out (name "" when fn cannot take (response, data) at all); None if the
-    call fits. Unknown names pass when fn takes **kwargs. Checked in the parent at start-up: the same
-    mistake in a worker would cost every sample of the run."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # builtins without a signature: nothing to check against
-        return None
-    label = getattr(fn, "__qualname__", repr(fn))
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params):
-        return "", f"reward function {label} must take (response, data) as its first two arguments"
-    taken = {p.name for p in positional[:2]}  # response and data are passed by position
-    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - taken
-    for name in kwargs if not any(p.kind is p.VAR_KEYWORD for p in params) else ():
-        if name not in named:
-            hint = f"its keyword arguments are {', '.join(sorted(named))}" if named else "it takes no keyword arguments"
-            return name, f"unknown argument for reward function {label}; {hint}"
-    for p in params:
-        if p.name not in taken and p.name not in kwargs and p.default is p.empty and p.kind not in (
-                p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            return p.name, f"reward function {label} requires argument {p.name!r}: set it in judge.kwargs"
-    return None
 
 
 def reward_fn_path(fn: str | Callable[..., Any]) -> str:

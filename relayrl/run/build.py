@@ -29,7 +29,7 @@ from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.engine.remote import RemoteEngine
 from relayrl.engine.rollout import RolloutController
-from relayrl.judge import Judge, reward_kwargs_problem
+from relayrl.judge import Judge, arguments_problem
 from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path, stored_parameters
 from relayrl.run import checkpoint
 from relayrl.run.components import Components
@@ -61,24 +61,33 @@ def agent_class(kind: str) -> type[Agent]:
     return AGENTS[kind] if kind in AGENTS else import_named(kind, "agent.kind")
 
 
-def check_user_code(cfg: Config) -> type[Agent]:
-    """Import the agent, group filter and reward function the config names, and check judge.kwargs against
-    the reward function's signature: unknown or missing arguments would otherwise fail in every worker call,
-    i.e. train on nothing but rejected samples. Returns the agent class."""
+def check_user_code(cfg: Config, rows: list[dict] | None = None) -> type[Agent]:
+    """Import the agent, group filter and reward functions the config names, and check judge.kwargs (and, for
+    TRL-style functions, the fields of `rows`) against each reward function's signature: unknown or missing
+    arguments would otherwise fail in every worker call, i.e. train on nothing but rejected samples. Returns
+    the agent class."""
     agent_cls = agent_class(cfg.agent.kind)
     try:
         group_filter(cfg.scheduler.group_filter)
     except (ImportError, ValueError) as e:
         raise ConfigError(str(e), key="scheduler.group_filter") from None
-    fn = import_named(cfg.judge.reward_fn, "judge.reward_fn", function=True)
-    problem = reward_kwargs_problem(fn, cfg.judge.kwargs)
-    if problem is not None:
-        name, why = problem
-        raise ConfigError(why, key=f"judge.kwargs.{name}" if name else "judge.reward_fn")
+    _check_rewards(cfg, rows)
     _check_agent_kwargs(agent_cls, cfg.agent.kwargs)
     if cfg.eval.agent_kwargs:
         _check_agent_kwargs(agent_cls, cfg.agent.kwargs | cfg.eval.agent_kwargs, "eval.agent_kwargs")
     return agent_cls
+
+
+def _check_rewards(cfg: Config, rows: list[dict] | None) -> None:
+    """Each judge.reward_fn entry imports, and its arguments fit (a ConfigError names the entry or the kwarg)."""
+    specs = cfg.judge.reward_fn if isinstance(cfg.judge.reward_fn, list) else [cfg.judge.reward_fn]
+    columns = {k for row in rows[:1000] for k in row} if rows else None  # a field any row has reaches the reward
+    for i, spec in enumerate(specs):
+        key = f"judge.reward_fn[{i}]" if isinstance(cfg.judge.reward_fn, list) else "judge.reward_fn"
+        problem = arguments_problem(import_named(spec, key, function=True), spec, cfg.judge.kwargs, columns)
+        if problem is not None:
+            name, why = problem
+            raise ConfigError(why, key=f"judge.kwargs.{name}" if name else key)
 
 
 def _check_agent_kwargs(agent_cls: type[Agent], kwargs: dict, key: str = "agent.kwargs") -> None:
@@ -131,16 +140,16 @@ def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) 
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     # cheap checks first: data, agent class, reward function, output folder
-    train_rows = load_rows(cfg.data.train) if role != "eval" else None
-    eval_rows = load_rows(cfg.data.eval, "data.eval")[: cfg.eval.size] if cfg.data.eval else None
+    train_rows = load_rows(cfg.data.train, "data.train", cfg.data.prompt) if role != "eval" else None
+    eval_rows = load_rows(cfg.data.eval, "data.eval", cfg.data.prompt)[: cfg.eval.size] if cfg.data.eval else None
     if role == "eval" and not eval_rows:
         raise ConfigError("evaluation needs an eval dataset", key="data.eval")
-    agent_cls = check_user_code(cfg)  # before any model loads
+    agent_cls = check_user_code(cfg, train_rows or eval_rows)  # before any model loads
     if role == "trainer":
         return _build_trainer(cfg)
     j = cfg.judge
     judge = Judge(j.reward_fn, j.kwargs, timeout=j.timeout, workers=j.workers, max_abs_reward=j.max_abs_reward,
-                  memory_mb=j.memory_mb)
+                  memory_mb=j.memory_mb, reward_weights=j.reward_weights, batch_size=j.batch_size)
     judge.start()  # worker start-up overlaps model loading
     try:
         return _build_with_judge(cfg, train_rows, eval_rows, agent_cls, judge, role, run_dir)
@@ -271,7 +280,6 @@ def _assemble(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge, role:
     """Load the models and put the run together in its folder (the expensive part, after every cheap check)."""
     model_path = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(model_path)
-    prompt_fn = PromptBuilder(tokenizer, cfg.data.prompt)
     eos = eos_token_ids(tokenizer, model_path)
     servers = launch_servers(cfg, model_path, run_dir)
     try:
@@ -287,13 +295,14 @@ def _assemble(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge, role:
     env = Env(agent, make_scheduler(cfg, rollout_ctl), SyncScheduler(cfg.agent.timeout))
     data = None
     if train_rows is not None:
-        data = DataManager(train_rows, prompt_fn, group_size=cfg.data.group_size, shuffle=cfg.data.shuffle,
-                           seed=cfg.run.seed)
+        data = DataManager(train_rows, PromptBuilder(tokenizer, cfg.data.prompt, cfg.data.train),
+                           group_size=cfg.data.group_size, shuffle=cfg.data.shuffle, seed=cfg.run.seed)
     eval_agent = eval_data = None
     if eval_rows:
         eval_agent = agent_cls(rollout_ctl, tokenizer, sampling_params(cfg, cfg.eval.temperature), judge,
                                **(cfg.agent.kwargs | cfg.eval.agent_kwargs))
-        eval_data = DataManager(eval_rows, prompt_fn, group_size=cfg.eval.n, shuffle=False)
+        eval_data = DataManager(eval_rows, PromptBuilder(tokenizer, cfg.data.prompt, cfg.data.eval),
+                                group_size=cfg.eval.n, shuffle=False)
     logger = MetricsLogger.for_run(run_dir, cfg) if role != "producer" else None
     trajectories = TrajectoryLogger(run_dir, tokenizer) if cfg.run.log_trajectories and role != "producer" else None
     judge.wait_ready()

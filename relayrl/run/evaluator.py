@@ -59,7 +59,10 @@ def rollout_metrics(samples: list[Sample], prefix: str = "rollout") -> dict[str,
     }
     metric_keys = {k for s in samples for k in s.metrics} - {"reward", "correct"}
     for k in sorted(metric_keys):
-        out[f"{prefix}/{k}_mean"] = statistics.fmean(float(s.metrics.get(k, 0.0)) for s in samples)
+        if k.startswith("reward/"):  # one reward function's value: the mean where it gave one (None: none), as TRL
+            out[f"{prefix}/{k}_mean"] = statistics.fmean(float(s.metrics[k]) for s in samples if k in s.metrics)
+        else:
+            out[f"{prefix}/{k}_mean"] = statistics.fmean(float(s.metrics.get(k, 0.0)) for s in samples)
     planted = [s for s in samples if s.metrics.get("planted")]
     natural = [s for s in samples if not s.metrics.get("planted")]
     out |= turn_metrics(natural, prefix) | fresh_attempt_rate(natural, prefix)

@@ -179,5 +179,6 @@ class InProcessRollouts:
 
     def close(self) -> None:
         """Release each part even if another fails (the scheduler thread first: it uses the rest)."""
-        close_all([self.env.close, self.rollout_ctl.close, self.judge.close])
+        agents = [self.env.agent.close] + ([self.eval_agent.close] if self.eval_agent is not None else [])
+        close_all([self.env.close, *agents, self.rollout_ctl.close, self.judge.close])
 

@@ -12,6 +12,11 @@ from typing import Any
 from relayrl.tools.sandbox import SandboxMode, check_sandbox, run_python
 
 
+class ToolError(Exception):
+    """A tool call that failed (the tool raised, or its server answered with an error): the message goes to the
+    model as the call's result, and the call counts in the sample's `tool_errors`."""
+
+
 @dataclass
 class Tool:
     """A function the model may call: name, description and JSON-schema parameters, as chat templates
@@ -22,10 +27,12 @@ class Tool:
     parameters: dict[str, Any]
     fn: Callable[..., Awaitable[str]]
     options: dict[str, Any] = field(default_factory=dict)  # fixed keyword arguments (limits)
+    timeout: float | None = None  # seconds per call; None: the agent's tool_timeout
+    returns: dict[str, Any] | None = None  # the "return" entry of a typed function's schema, as transformers has it
 
     def schema(self) -> dict[str, Any]:
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": function | ({"return": self.returns} if self.returns else {})}
 
     async def __call__(self, arguments: dict[str, Any]) -> str:
         return await self.fn(**arguments, **self.options)

@@ -119,7 +119,7 @@ def test_wheel_metadata_version_and_extras(installed):
     meta = installed["meta"]
     assert re.search(r"^Version: (.+)$", meta, re.M).group(1) == relayrl.__version__  # one source: __init__.py
     extras = set(re.findall(r"^Provides-Extra: (.+)$", meta, re.M))
-    assert extras >= {"serve", "vllm", "ray", "trackers", "lora", "bench", "dev"}
+    assert extras >= {"serve", "vllm", "ray", "trackers", "lora", "bench", "agents", "dev"}
     core = [r for r in re.findall(r"^Requires-Dist: (.+)$", meta, re.M) if "extra ==" not in r]
     core_names = {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower() for r in core}
     assert extra_distributions(meta) >= {"uvicorn", "ray", "peft", "trl", "wandb", "mlflow-skinny"}

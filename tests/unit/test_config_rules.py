@@ -19,7 +19,7 @@ from relayrl.config.schema import Config, load_run_config
 REPO = Path(__file__).resolve().parents[2]
 
 # keys where any finite number is meaningful
-UNBOUNDED = {"run.seed", "data.train.seed", "algo.reward_bias"}
+UNBOUNDED = {"run.seed", "data.train.seed", "algo.reward_bias", "judge.reward_weights"}  # a negative weight: a penalty
 BASE = ["data.train.source=rows.jsonl"]  # the one required key: checked before the keys of later sections
 
 
@@ -59,13 +59,14 @@ def test_an_absurd_value_is_refused_naming_its_key(key, number):
         load_run_config(None, [*BASE, f"{key}={[value, value] if composite else value}"])
 
 
-@pytest.mark.parametrize("key", [k for k, t in KEYS if t is float and k not in ("train.betas",)])
+@pytest.mark.parametrize("key", [k for k, t in KEYS if t is float and k not in ("train.betas", "judge.reward_weights")])
 def test_nan_and_inf_are_refused_for_every_float_key(key):
     for bad in (".nan", ".inf", "-.inf"):
         with pytest.raises(ConfigError, match=rf"^{key.replace('.', '[.]')}: must be a finite number"):
             load_run_config(None, [*BASE, f"{key}={bad}"])
-    with pytest.raises(ConfigError, match="train.betas.*finite"):
-        load_run_config(None, [*BASE, "train.betas=[0.9, .nan]"])
+    for lst in ("train.betas", "judge.reward_weights"):  # lists of floats: each item is checked
+        with pytest.raises(ConfigError, match=rf"{lst.replace('.', '[.]')}.*finite"):
+            load_run_config(None, [*BASE, f"{lst}=[0.9, .nan]"])
 
 
 @pytest.mark.parametrize("override, message", [
