@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from relayrl.agents import AGENTS
+from relayrl.common.utils import module_level_path
 from relayrl.config.schema import Config, load_run_config
 from relayrl.run.loop import evaluate as _evaluate
 from relayrl.run.loop import train as _train
@@ -68,6 +69,8 @@ def _with_objects(cfg: Config, agent: type | None, reward: Reward | None = None,
 def import_path(obj: Any) -> str:
     """'module:qualname' of a module-level class or function (what configs use to name user code)."""
     qualname = getattr(obj, "__qualname__", "")
+    if not qualname and (found := module_level_path(obj)) is not None:
+        return found  # a configured object, e.g. `helpful = llm_judge(...)` at the top level of its module
     if not qualname or "<locals>" in qualname or "<lambda>" in qualname:
         raise ValueError(f"{obj!r} must be defined at the top level of a module (worker processes import it by "
                          "name); lambdas and functions inside functions cannot be found there")

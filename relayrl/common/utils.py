@@ -38,6 +38,14 @@ def import_from_path(spec: str) -> Any:
     return obj
 
 
+def module_level_path(obj: Any) -> str | None:
+    """'module:name' of an object bound at the top level of the module named by its `__module__` (a configured
+    reward function such as `helpful = llm_judge(...)`, which has no __qualname__ of its own), or None."""
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    name = next((k for k, v in vars(module).items() if v is obj), None) if module is not None else None
+    return None if name is None else f"{module.__name__}:{name}"
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write a file so that a crash leaves either the old or the new content, never half of it."""
     atomic_write_bytes(path, text.encode())

@@ -28,7 +28,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from relayrl.common.utils import import_from_path
+from relayrl.common.utils import import_from_path, module_level_path
 from relayrl.judge.batch import BatchScorer, Coalescer, Request
 from relayrl.judge.functions import (
     ROW,
@@ -256,9 +256,10 @@ def reward_fn_path(fn: str | Callable[..., Any]) -> str:
     if not callable(fn):
         raise TypeError(f"Judge reward_fn must be an import path or a function, got {type(fn).__name__}")
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
-    path = f"{module}:{qualname}"
+    path = f"{module}:{qualname}" if qualname else (module_level_path(fn) or f"{module}:?")
+    module = path.partition(":")[0]
     try:
-        reachable = bool(module and qualname) and "<" not in qualname and import_from_path(path) is fn
+        reachable = bool(module) and "<" not in path and import_from_path(path) is fn
     except Exception:
         reachable = False
     if module == "__main__" and not getattr(sys.modules["__main__"], "__file__", None):

