@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""What building the C kernels without -ffast-math costs: each kernel built with the previous flags
-(`-O3 -march=native -ffast-math -fopenmp`, -lmvec) and with relayrl.common.cbuild.CFLAGS, timed side by side.
+"""What building the C kernels without -ffast-math costs: each kernel built with its previous flags
+(`-O3 -march=native -ffast-math -fopenmp` for the four that call expf or divide, `PREVIOUS` for the others) and
+with relayrl.common.cbuild.CFLAGS, timed side by side.
 
 Why: -ffast-math let gcc use reciprocal estimates whose error differs by ISA, so a kernel computed different numbers
 on an AVX-512 Xeon than on the Zen 4 it was tested on (relayrl/common/cbuild.py). CFLAGS keeps reassociation and
@@ -23,14 +24,18 @@ import decode_attention as decode_bench
 import segment_attention as segment_bench
 import train_kernels
 
-PREVIOUS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+FAST_MATH = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+# each kernel's flags before CFLAGS: the four that call expf or divide were built with -ffast-math
+PREVIOUS = {"skinny_linear": ["-O3", "-march=native", "-fopenmp"],
+            "adamw_bf16": ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]}
 
 
 def builds(module, name: str) -> dict:
-    """{"previous": the kernel built with -ffast-math, "current": with CFLAGS}, each with the module's signatures."""
+    """{"previous": the kernel built with its flags before CFLAGS, "current": with CFLAGS}, each with the module's
+    signatures."""
     from relayrl.common import cbuild
 
-    libs = {"previous": cbuild.load(module._SOURCE, signatures={}, fallback="-", cflags=PREVIOUS),
+    libs = {"previous": cbuild.load(module._SOURCE, signatures={}, fallback="-", cflags=PREVIOUS.get(name, FAST_MATH)),
             "current": module.load_kernel()}
     if any(lib is None for lib in libs.values()):
         raise SystemExit(f"error: {name} did not build")
@@ -154,7 +159,8 @@ def main() -> None:
     a = p.parse_args()
     train_kernels.keep_heap()
     load = _common.load_before_run()
-    result = {"machine": _common.machine_info(), "load_before": load, "reps": a.reps, "previous_flags": PREVIOUS}
+    result = {"machine": _common.machine_info(), "load_before": load, "reps": a.reps,
+              "previous_flags": {"default": FAST_MATH, **PREVIOUS}}
     for name, fn in (("norm_swiglu", norm_swiglu), ("decode_ops", decode_ops), ("skinny_linear", skinny_linear),
                      ("adamw_bf16", adamw), ("attention", attention)):
         result[name] = fn(a.reps)

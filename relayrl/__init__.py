@@ -10,12 +10,13 @@ from relayrl.sample import Sample, Status, Turn
 
 if TYPE_CHECKING:
     from relayrl.agents import Agent
-    from relayrl.api import evaluate, load_config, train
+    from relayrl.api import TrainResult, evaluate, load_config, train
 
-__all__ = ["Agent", "Sample", "Status", "Turn", "evaluate", "load_config", "train"]
+__all__ = ["Agent", "Sample", "Status", "TrainResult", "Turn", "evaluate", "load_config", "train"]
 __version__ = "0.1.0"
 
-_LAZY = {"Agent": "relayrl.agents", "load_config": "relayrl.api", "train": "relayrl.api", "evaluate": "relayrl.api"}
+_LAZY = {"Agent": "relayrl.agents", "load_config": "relayrl.api", "train": "relayrl.api", "evaluate": "relayrl.api",
+         "TrainResult": "relayrl.api"}
 
 
 def __getattr__(name: str) -> Any:

@@ -3,13 +3,14 @@ import path ('package.module:AgentClass')."""
 
 from relayrl.agents.base import Agent
 from relayrl.agents.env import EnvAgent
+from relayrl.agents.external import ExternalAgent
 from relayrl.agents.openai_agent import OpenAIAgent, session_of
 from relayrl.agents.reflection import ReflectionAgent
 from relayrl.agents.single_turn import SingleTurnAgent
 from relayrl.agents.tool import ToolAgent
 
 AGENTS: dict[str, type[Agent]] = {"single_turn": SingleTurnAgent, "reflection": ReflectionAgent, "tool": ToolAgent,
-                                  "openai": OpenAIAgent, "env": EnvAgent}
+                                  "openai": OpenAIAgent, "env": EnvAgent, "external": ExternalAgent}
 
-__all__ = ["AGENTS", "Agent", "EnvAgent", "OpenAIAgent", "ReflectionAgent", "SingleTurnAgent", "ToolAgent",
-           "session_of"]
+__all__ = ["AGENTS", "Agent", "EnvAgent", "ExternalAgent", "OpenAIAgent", "ReflectionAgent", "SingleTurnAgent",
+           "ToolAgent", "session_of"]

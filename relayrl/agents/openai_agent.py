@@ -16,6 +16,7 @@ Rewards: the episode's return value (a number) is the episode reward; per-call r
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,7 +144,7 @@ class RecordingBackend:
         raise ValueError("agents use chat completions; /v1/completions is served by `relayrl serve`")
 
 
-def session_samples(session: Session, base: Sample, eot: int) -> list[Sample]:
+def session_samples(session: Session, base: Sample) -> list[Sample]:
     """Chain consecutive calls that extend each other into one trajectory; each chain is one sample."""
     samples: list[Sample] = []
     for call in session.calls:
@@ -178,30 +179,39 @@ class OpenAIAgent(Agent):
                 result = await self.episode(client, sample.data, **self.episode_kwargs)
         finally:
             self.backend.sessions.pop(sample.uid, None)
-        if not session.calls:
-            raise RuntimeError("the episode made no chat completion calls")
-        samples = session_samples(session, sample, self.backend.eot)
-        await self._reward(samples, session, result)
-        for s in samples:
-            s.response_text = self.decode(s.response_ids)
-            s.metrics.update(session.rejected)
-            s.status = Status.COMPLETED
-        return samples
+        return await finish_session(session, sample, result, self.judge, self.discount, self.decode)
 
-    async def _reward(self, samples: list[Sample], session: Session, result: Any) -> None:
-        if any(c.reward is not None for c in session.calls):
-            own = [c.reward or 0.0 for c in session.calls]
-            by_turn = iter(zip(turn_returns(own, self.discount), own))
-            for s in samples:
-                for t in s.turns:
-                    t.reward, t.step_reward = next(by_turn)
-                s.reward = s.turns[0].reward
-            return
-        if result is None and self.judge is not None:
-            last = session.calls[-1].reply.get("content") or ""
-            result, metrics, error = await self.judge.score(last, samples[0].data, samples[0].uid)
-            for s in samples:
-                s.metrics.update(metrics)
-                s.error = error
+
+async def finish_session(session: Session, base: Sample, result: Any, judge, discount: float,
+                         decode: Callable[[list[int]], str]) -> list[Sample]:
+    """The completed samples of a finished episode (`session_samples`), rewarded by `_reward`. Shared with the
+    external agent (relayrl.agents.external), whose program's calls are recorded in the same sessions."""
+    if not session.calls:
+        raise RuntimeError("the episode made no chat completion calls")
+    samples = session_samples(session, base)
+    await _reward(samples, session, result, judge, discount)
+    for s in samples:
+        s.response_text = decode(s.response_ids)
+        s.metrics.update(session.rejected)
+        s.status = Status.COMPLETED
+    return samples
+
+
+async def _reward(samples: list[Sample], session: Session, result: Any, judge, discount: float) -> None:
+    """Per-call rewards (as per-turn returns) if any were set; else `result`; else the judge on the last reply."""
+    if any(c.reward is not None for c in session.calls):
+        own = [c.reward or 0.0 for c in session.calls]
+        by_turn = iter(zip(turn_returns(own, discount), own))
         for s in samples:
-            s.reward = float(result or 0.0)
+            for t in s.turns:
+                t.reward, t.step_reward = next(by_turn)
+            s.reward = s.turns[0].reward
+        return
+    if result is None and judge is not None:
+        last = session.calls[-1].reply.get("content") or ""
+        result, metrics, error = await judge.score(last, samples[0].data, samples[0].uid)
+        for s in samples:
+            s.metrics.update(metrics)
+            s.error = error
+    for s in samples:
+        s.reward = float(result or 0.0)

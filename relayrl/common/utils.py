@@ -7,6 +7,7 @@ import functools
 import importlib
 import json
 import os
+import pickle
 import resource
 import sys
 import tempfile
@@ -14,12 +15,20 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+PICKLE_SCHEME = "pickle:"  # "pickle:/abs/path/obj.pkl": an object saved by value (relayrl.api), see below
+
 
 def import_from_path(spec: str) -> Any:
     """Resolve 'package.module:Name' (or 'package.module.Name') to the named object.
 
-    This is how a config names user code: an agent, a reward function, a dataset or a filter.
+    This is how a config names user code: an agent, a reward function, a dataset or a filter. It also reads
+    'pickle:/path/to/obj.pkl', an object relayrl.api saved by value (cloudpickle) because no import path reaches
+    it (a notebook's or a script's __main__, a lambda, a closure): every loader, the judge's worker processes
+    included, resolves it here, so none needs to know. Loading a pickle runs code, as importing a module does: a
+    config is trusted either way.
     """
+    if spec.startswith(PICKLE_SCHEME) and spec.endswith(".pkl"):  # never an attribute path: "pkl" follows a dot
+        return _unpickle(spec[len(PICKLE_SCHEME):])
     if ":" in spec:
         mod_name, _, attr = spec.partition(":")
     else:
@@ -36,6 +45,17 @@ def import_from_path(spec: str) -> Any:
             raise ImportError(f"module {mod_name!r} has no attribute {attr!r} (named by {spec!r})")
         obj = getattr(obj, part)
     return obj
+
+
+@functools.cache
+def _unpickle(path: str) -> Any:
+    """The object in a 'pickle:' file, loaded once per process, so that every resolution of one path gives the
+    same object (as an import does: caches keyed by the object, identity checks)."""
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)  # a cloudpickle file: it imports cloudpickle's helpers itself
+    except OSError as e:
+        raise ImportError(f"cannot read the pickled object {path!r}: {e}") from e
 
 
 def module_level_path(obj: Any) -> str | None:

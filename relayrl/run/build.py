@@ -46,12 +46,17 @@ from relayrl.trainer.engine import TrainEngine
 from relayrl.trainer.fsdp import FSDPEngine, ReplicatedEngine
 from relayrl.trainer.lora import BaseReference
 
+# a run folder's inputs/: the rows and pickled objects relayrl.api was given in memory, written before the build
+# (the config names them there, so a producer process or a Ray rebuild reads them too); a folder holding only
+# inputs/ is not taken, it is the run's own
+INPUTS = "inputs"
+
 
 def new_run_dir(cfg: Config) -> Path:
     """output_dir/name, or name-2, name-3... if taken (not created here: `_run_folder` does, once it is used)."""
     base = Path(cfg.run.output_dir) / cfg.run.name
     path, n = base, 1
-    while path.exists() and any(path.iterdir()):
+    while path.exists() and any(e.name != INPUTS for e in path.iterdir()):
         n += 1
         path = base.with_name(f"{base.name}-{n}")
     return path
@@ -206,7 +211,7 @@ def _run_folder(cfg: Config, resume: bool) -> tuple[Path, Path | None, Path | bo
 
 
 # what a build writes into a new run folder before training: removed again if the build fails
-_SCAFFOLD = ("config.yaml", "tensorboard", "wandb", "mlruns", "checkpoints", "weights", ".write_test")
+_SCAFFOLD = ("config.yaml", "tensorboard", "wandb", "mlruns", "checkpoints", "weights", ".write_test", INPUTS)
 
 
 def discard_new_run(run_dir: Path, created: Path | bool) -> None:

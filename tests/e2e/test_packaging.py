@@ -119,7 +119,7 @@ def test_wheel_metadata_version_and_extras(installed):
     meta = installed["meta"]
     assert re.search(r"^Version: (.+)$", meta, re.M).group(1) == relayrl.__version__  # one source: __init__.py
     extras = set(re.findall(r"^Provides-Extra: (.+)$", meta, re.M))
-    assert extras >= {"serve", "vllm", "ray", "trackers", "lora", "bench", "agents", "dev"}
+    assert extras >= {"serve", "vllm", "ray", "trackers", "lora", "bench", "agents", "envs", "dev"}
     core = [r for r in re.findall(r"^Requires-Dist: (.+)$", meta, re.M) if "extra ==" not in r]
     core_names = {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower() for r in core}
     assert extra_distributions(meta) >= {"uvicorn", "ray", "peft", "trl", "wandb", "mlflow-skinny"}
@@ -147,7 +147,8 @@ def test_installed_wheel_runs_outside_the_checkout(installed):
 
 
 def test_every_module_imports_without_the_extras(installed):
-    """Only `relayrl serve`'s server needs an extra (uvicorn): train, eval and agents run on the core deps."""
+    """Only the HTTP servers need an extra (uvicorn: `relayrl serve`, the external agents' endpoint), and the
+    TextArena adapter its package (the envs extra): train, eval and the agents import on the core deps."""
     walk = ("import importlib, json, pkgutil, relayrl\nfailed = {}\n"
             "for m in pkgutil.walk_packages(relayrl.__path__, 'relayrl.'):\n"
             "    try:\n        importlib.import_module(m.name)\n"
@@ -155,7 +156,8 @@ def test_every_module_imports_without_the_extras(installed):
             "print(json.dumps(failed))")
     out = _run([str(installed["python"]), "-c", walk], cwd=installed["cwd"])
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout) == {"relayrl.serve.server": "uvicorn"}
+    assert json.loads(out.stdout) == {"relayrl.serve.server": "uvicorn", "relayrl.agents.proxy": "uvicorn",
+                                      "relayrl.envs.textarena": "textarena"}
 
 
 def test_serve_without_its_extra_says_what_to_install(installed):

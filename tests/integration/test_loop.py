@@ -87,7 +87,7 @@ def test_failing_and_hanging_agents_cost_one_sample_each(tiny_path, dataset, tmp
     try:
         t0 = time.perf_counter()
         train_colocated(c)
-        assert time.perf_counter() - t0 < 30
+        assert time.perf_counter() - t0 < bound(30)
     finally:
         c.close()
     row, final = read_jsonl(c.run_dir / "metrics.jsonl")[0], read_jsonl(c.run_dir / "metrics.jsonl")[-1]
@@ -139,7 +139,7 @@ def test_bad_dataset_row_fails_before_any_model_loads(tiny_path, tmp_path):
     t0 = time.perf_counter()
     with pytest.raises(ValueError, match=r"bad.jsonl:2: row has no 'answer'"):
         build(cfg)
-    assert time.perf_counter() - t0 < 5
+    assert time.perf_counter() - t0 < bound(5)
 
 
 def test_presets_expand_and_explicit_keys_win():

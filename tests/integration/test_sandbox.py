@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bounds import bound
 from sandbox_helpers import host_processes_with, needs_sandbox, run
 
 from relayrl.agents.tool import ToolAgent
@@ -39,13 +40,13 @@ def test_infinite_loop_is_killed_at_the_timeout():
     t0 = time.perf_counter()
     r = run("while True:\n    pass", timeout=1.0)
     assert r.timed_out and r.exit_code is None and "timed out" in r.text()
-    assert time.perf_counter() - t0 < 4
+    assert time.perf_counter() - t0 < bound(4)
 
 
 @needs_sandbox
 def test_sleeping_child_cannot_outlive_the_timeout():
     r = run("import time\ntime.sleep(60)", timeout=0.5)
-    assert r.timed_out and r.duration_s < 3
+    assert r.timed_out and r.duration_s < bound(3)
 
 
 @needs_sandbox
@@ -169,7 +170,7 @@ def test_calculator_refuses_pathological_expressions_fast(expr):
     t0 = time.perf_counter()
     result = evaluate(expr)
     assert result.startswith("error:"), result[:80]
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < bound(1.0)
 
 
 def test_calculator_tool_never_raises_and_never_blocks_the_loop():
@@ -189,6 +190,6 @@ def test_calculator_tool_never_raises_and_never_blocks_the_loop():
 
     t0 = time.perf_counter()
     (a, b), ticks = asyncio.run(both())
-    assert a.startswith("error") and b.startswith("error") and time.perf_counter() - t0 < 1.0
+    assert a.startswith("error") and b.startswith("error") and time.perf_counter() - t0 < bound(1.0)
     assert len(ticks) == 5
 

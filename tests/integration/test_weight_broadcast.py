@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 import torch
+from bounds import bound
 from conftest import relayrl_servers, write_sums
 
 from relayrl.common.net import free_port
@@ -178,7 +179,7 @@ def test_a_receive_that_times_out_is_an_error_and_health_stays_up(servers, hidde
     assert httpx.get(url + "/health", timeout=1.0).status_code == 200  # the event loop is free meanwhile
     waiting.join(30)
     trainer.close()
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < bound(15)
     assert answers[0].status_code == 400 and "receiving the weights failed" in answers[0].json()["message"]
     assert httpx.get(url + "/get_weight_version").json()["weight_version"] != 99
     r = post(url, "/update_weights_from_distributed", body)  # the broken group was dropped
@@ -205,14 +206,14 @@ def test_a_server_dying_mid_broadcast_is_a_clear_error_not_a_hang(servers, tiny_
         with pytest.raises(WeightSyncError, match=doomed.url.replace(".", r"\.")) as info:
             survivor.update_weights(perturbed(tiny_path, 5).named_parameters(), 2)
         # a hang would wait out timeout + 60 = 80 s; on a loaded 2-core CI run the dead server's retries took 15 s
-        assert time.monotonic() - t0 < 30, info.value
+        assert time.monotonic() - t0 < bound(30), info.value
         monkeypatch.undo()
         assert "receiving the weights failed" in str(info.value)  # the survivor was released, not left waiting
         assert survivor.refresh_version() == 1 and survivor.health()  # and it kept its old weights, whole
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError, match=doomed.url.replace(".", r"\.")):
             survivor.update_weights(perturbed(tiny_path, 5).named_parameters(), 2)  # no new group without it
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < bound(10)
     finally:
         for e in engines:
             e.close()

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bounds import bound
 
 TESTS_DIR = str(Path(__file__).resolve().parents[1])
 if TESTS_DIR not in sys.path:  # workers import `judge_fns` by path; spawn hands them our sys.path
@@ -123,7 +124,7 @@ def test_math_reward_is_fast() -> None:
     start = time.perf_counter()
     for i in range(200):
         math_reward(f"Step 1: 3 + 4 = 7. The answer is {i}.", {"answer": "#### 7"})
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < bound(2.0)
 
 
 # ---- TimeoutPool ---------------------------------------------------------------------------------------
@@ -162,7 +163,7 @@ def test_pool_timeout_kills_and_replaces_worker(pool: TimeoutPool) -> None:
     start = time.perf_counter()
     with pytest.raises(TimeoutError, match="0.5s"):
         pool.run_sync(judge_fns.sleep_then, 100, "late", timeout=0.5)
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < bound(2.0)
     assert not _alive(old)
     assert pool.run_sync(judge_fns.worker_pid, timeout=30) != old
 
@@ -305,7 +306,7 @@ def test_judge_hang_times_out_and_pool_recovers(bad_judge: Judge) -> None:
     failures = bad_judge.failures
     start = time.perf_counter()
     s = _judge_all(bad_judge, [_sample("x", mode="hang")])[0]
-    assert time.perf_counter() - start < 3.0
+    assert time.perf_counter() - start < bound(3.0)
     assert s.reward == 0.0 and s.metrics["judge_failed"] == 1.0
     assert "timed out after 1s" in s.error
     assert bad_judge.failures == failures + 1
@@ -317,7 +318,7 @@ def test_judge_hangs_mixed_with_good_calls(bad_judge: Judge) -> None:
     samples = [_sample("x" * i, mode="hang" if i in (3, 7) else "ok") for i in range(20)]
     start = time.perf_counter()
     out = _judge_all(bad_judge, samples)
-    assert time.perf_counter() - start < 8.0
+    assert time.perf_counter() - start < bound(8.0)
     assert [s.metrics["judge_failed"] for s in out] == [1.0 if i in (3, 7) else 0.0 for i in range(20)]
     assert all(s.metrics["n_chars"] == i for i, s in enumerate(out) if i not in (3, 7))
 

