@@ -212,10 +212,9 @@ def test_build_check_names_the_list_entry(tmp_path):
     check_user_code(cfg, [{"question": "q", "solution": "a"}])
 
 
-def test_api_turns_a_list_of_functions_into_paths():
-    from relayrl.api import _with_objects
+def test_api_names_importable_functions_by_path(tmp_path):
+    from relayrl.api import code_path
 
-    cfg = load_run_config(None, ["data.train.source=x.jsonl"])
-    out = _with_objects(cfg, None, [trl.format_reward, trl.length_reward], [2.0, 1.0])
-    assert (out.judge.reward_fn, out.judge.reward_weights) == ([M + "format_reward", M + "length_reward"], [2.0, 1.0])
-    assert _with_objects(cfg, None, trl.format_reward).judge.reward_fn == M + "format_reward"
+    for fn in (trl.format_reward, trl.length_reward):  # importable: named by path, nothing pickled
+        assert code_path(fn, tmp_path, "reward") == M + fn.__name__
+    assert not list(tmp_path.iterdir())
