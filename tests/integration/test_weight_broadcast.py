@@ -188,8 +188,10 @@ def test_a_receive_that_times_out_is_an_error_and_health_stays_up(servers, hidde
 
 def test_a_server_dying_mid_broadcast_is_a_clear_error_not_a_hang(servers, tiny_path, tmp_path, monkeypatch):
     doomed = relayrl_server(tiny_path, tmp_path / "doomed.log", dtype="float32").start().wait_ready(120)
-    # the requests' own timeout scaled too: under load the survivor's answer (its failed receive) came after 20 s
-    survivor, dying = engines = distributed([servers[0].url, doomed.url], timeout=bound(20.0))
+    # the group's timeout below the trainer's 15 s settle (relayrl.weights.weight_group._SETTLE_S): where closing the
+    # trainer's side does not release the survivor's receive at once (seen on an Intel Xeon), its receive times out
+    # and answers within the settle; at 20 s it answered after it, as "no answer in time"
+    survivor, dying = engines = distributed([servers[0].url, doomed.url], timeout=min(bound(10.0), 12.0))
     try:
         survivor.update_weights(perturbed(tiny_path, 4).named_parameters(), 1)  # forms the group: both get v1
         sent = []
