@@ -20,11 +20,14 @@ from relayrl.judge.models import llm_judge, reward_model
 TEMPLATE = "Question: {prompt}\nAnswer: {completion}\nReference: {answer}\nIs the answer right?"
 
 rm = reward_model(os.environ.get("RELAYRL_TEST_RM", "unset"), name="rm", batch_size=3)
+# Both judges send the same request for a sample, so with the reply cache on, whichever ran second in a worker
+# would be answered from the first's reply and the proxy's count would depend on scheduling: the cache is off.
 helpful = llm_judge(name="helpful", model="tiny", template=TEMPLATE, base_url=os.environ.get("RELAYRL_TEST_JUDGE_URL"),
-                    max_tokens=4, timeout=float(os.environ.get("RELAYRL_TEST_JUDGE_TIMEOUT", "30")), retries=0)
+                    max_tokens=4, timeout=float(os.environ.get("RELAYRL_TEST_JUDGE_TIMEOUT", "30")), retries=0,
+                    cache=False)
 
 strict = llm_judge(name="strict", model="tiny", template=TEMPLATE, base_url=os.environ.get("RELAYRL_TEST_JUDGE_URL"),
-                   max_tokens=4, pattern=r"<score>(\d+)</score>", retries=0,
+                   max_tokens=4, pattern=r"<score>(\d+)</score>", retries=0, cache=False,
                    timeout=float(os.environ.get("RELAYRL_TEST_JUDGE_TIMEOUT", "30")))  # the tiny model never says so
 
 
