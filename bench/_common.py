@@ -15,6 +15,8 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -117,3 +119,54 @@ def run_child(script: str, args: list[str], what: str, env: dict[str, str] | Non
         if proc.returncode:
             raise SystemExit(f"{what} failed with exit code {proc.returncode}")
         return json.loads(Path(out).read_text())
+
+
+def proc_rss(pid: int | str) -> int:
+    """VmRSS of a process in bytes (0 when it has gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS")), 0)
+
+
+def descendants(pid: int) -> list[str]:
+    out, todo = [], [str(pid)]
+    while todo:
+        for f in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            try:
+                kids = f.read_text().split()
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def train_run(config: str, overrides: list[str], out_dir: str, env: dict[str, str]) -> dict:
+    """One `relayrl train` in a subprocess, as a user runs it: its output, wall time, run folder, and the RSS of the
+    trainer, of its child processes (judge workers) and of both together, sampled every 50 ms (a peak shorter than
+    that can be missed: the trainer's own high-water mark is in its metrics). A failed run stops the bench."""
+    cmd = [str(Path(sys.executable).with_name("relayrl")), "train", "--config", config,
+           f"run.output_dir={out_dir}", *overrides]
+    peaks = {"trainer": 0, "workers": 0, "tree": 0}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def watch() -> None:
+        while proc.poll() is None:
+            trainer, workers = proc_rss(proc.pid), sum(proc_rss(pid) for pid in descendants(proc.pid))
+            peaks.update(trainer=max(peaks["trainer"], trainer), workers=max(peaks["workers"], workers),
+                         tree=max(peaks["tree"], trainer + workers))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    output = proc.communicate()[0]
+    watcher.join()
+    wall = time.perf_counter() - t0
+    sys.stderr.write(output[-4000:])
+    if proc.returncode:
+        raise SystemExit(f"relayrl train {' '.join(overrides)} failed with exit code {proc.returncode}")
+    (run_dir,) = Path(out_dir).iterdir()
+    return {"command": cmd, "output": output, "wall_s": wall, "peaks": peaks, "run_dir": run_dir}

@@ -81,11 +81,11 @@ def bare_decode(model, batch: int, context: int, vocab: int):
 
     ids = torch.randint(0, vocab, (batch, context), device=next(model.parameters()).device)
     with torch.inference_mode():
-        cache = model(input_ids=ids, use_cache=True).past_key_values
+        cache = model(input_ids=ids, use_cache=True).cache
 
     def step() -> None:
         with torch.inference_mode():
-            model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, -1:], cache=cache, use_cache=True)
 
     return step
 

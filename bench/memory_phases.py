@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import _common
+from _common import descendants, proc_rss
 
 GB = 1e9
 
@@ -40,28 +41,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. engine.kv_cache_gb=0.2")
     p.add_argument("--result-file", help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-def proc_rss(pid: int | str) -> int:
-    """VmRSS of a process in bytes (0 when it has gone)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0
-    return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS")), 0)
-
-
-def descendants(pid: int) -> list[str]:
-    out, todo = [], [str(pid)]
-    while todo:
-        for f in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
-            try:
-                kids = f.read_text().split()
-            except OSError:
-                continue
-            out += kids
-            todo += kids
-    return out
 
 
 class Sampler:

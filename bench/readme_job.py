@@ -25,12 +25,8 @@ import resource
 import subprocess
 import sys
 import tempfile
-import threading
-import time
-from pathlib import Path
 
 import _common
-from memory_phases import descendants, proc_rss
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,22 +44,9 @@ def run(a, tmp: str) -> dict:
         code = "import torch; print(torch.backends.cpu.get_cpu_capability())"
         cap = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip()
         assert cap == "AVX2", cap
-    cmd = [str(Path(sys.executable).with_name("relayrl")), "train", "--config", a.config,
-           f"run.output_dir={tmp}", *a.overrides]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, cwd=_common.REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    peaks = {"workers": 0, "tree": 0}
-    watcher = threading.Thread(target=watch_tree, args=(proc, peaks), daemon=True)
-    watcher.start()
-    output = proc.communicate()[0]
-    watcher.join()
-    wall = time.perf_counter() - t0
+    r = _common.train_run(a.config, a.overrides, tmp, env)
+    output, wall, peaks, run_dir = r["output"], r["wall_s"], r["peaks"], r["run_dir"]
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    sys.stderr.write(output[-4000:])
-    if proc.returncode:
-        raise SystemExit(f"relayrl train failed with exit code {proc.returncode}")
-    (run_dir,) = Path(tmp).iterdir()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in rows if "eval/pass@1" in r]
     steps = [r for r in rows if "train/loss" in r]
@@ -85,15 +68,6 @@ def run(a, tmp: str) -> dict:
             "samples_skipped_zero_adv_by_step": [r.get("train/samples_skipped_zero_adv") for r in steps],
             # the trainer's high-water mark after each step: where in the run the peak came
             "peak_rss_gb_by_step": [round(r["mem/peak_rss_gb"], 3) for r in steps if "mem/peak_rss_gb" in r]}
-
-
-def watch_tree(proc: subprocess.Popen, peaks: dict) -> None:
-    """Sample the RSS of the trainer's descendants (judge workers) and of trainer + them, until it exits."""
-    while proc.poll() is None:
-        workers = sum(proc_rss(pid) for pid in descendants(proc.pid))
-        peaks["workers"] = max(peaks["workers"], workers)
-        peaks["tree"] = max(peaks["tree"], workers + proc_rss(proc.pid))
-        time.sleep(0.05)
 
 
 def main() -> None:

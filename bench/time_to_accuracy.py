@@ -30,7 +30,7 @@ from pathlib import Path
 import _common
 import _tta_trl  # TRL itself loads only in the TRL side's subprocess
 import torch
-from memory_phases import descendants
+from _common import descendants
 
 from relayrl.common.utils import InputError, read_jsonl
 from relayrl.config.loader import ConfigError

@@ -21,15 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import _common
-from memory_phases import descendants, proc_rss
 
 from relayrl.common.utils import read_jsonl
 
@@ -58,35 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_side(config: str, overrides: list[str], out_dir: str) -> dict:
     """One `relayrl train` in a subprocess: its wall time, the sampled peak RSS of it and its judge workers, and
     its run folder."""
-    cmd = [str(Path(sys.executable).with_name("relayrl")), "train", "--config", config,
-           f"run.output_dir={out_dir}", *overrides]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, cwd=_common.REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    peaks = {"trainer": 0, "tree": 0}
-    watcher = threading.Thread(target=watch, args=(proc, peaks), daemon=True)
-    watcher.start()
-    output = proc.communicate()[0]
-    watcher.join()
-    wall = time.perf_counter() - t0
-    sys.stderr.write(output[-3000:])
-    if proc.returncode:
-        raise SystemExit(f"relayrl train {' '.join(overrides)} failed with exit code {proc.returncode}")
-    (run_dir,) = Path(out_dir).iterdir()
-    return {"command": cmd, "wall_s": round(wall, 1), "wall_min": round(wall / 60, 2),
-            "sampled_trainer_peak_rss_gb": round(peaks["trainer"] / 1e9, 3),
-            "sampled_tree_peak_rss_gb": round(peaks["tree"] / 1e9, 3), "run_dir": run_dir,
-            "precision": next((line for line in output.splitlines() if line.startswith("precision:")), "")}
-
-
-def watch(proc: subprocess.Popen, peaks: dict[str, int]) -> None:
-    """Sample the RSS of the trainer and of trainer + its children (judge workers) every 50 ms until it exits."""
-    while proc.poll() is None:
-        trainer = proc_rss(proc.pid)
-        peaks["trainer"] = max(peaks["trainer"], trainer)
-        peaks["tree"] = max(peaks["tree"], trainer + sum(proc_rss(pid) for pid in descendants(proc.pid)))
-        time.sleep(0.05)
+    r = _common.train_run(config, overrides, out_dir, {**os.environ, "HF_HUB_OFFLINE": "1"})
+    return {"command": r["command"], "wall_s": round(r["wall_s"], 1), "wall_min": round(r["wall_s"] / 60, 2),
+            "sampled_trainer_peak_rss_gb": round(r["peaks"]["trainer"] / 1e9, 3),
+            "sampled_tree_peak_rss_gb": round(r["peaks"]["tree"] / 1e9, 3), "run_dir": r["run_dir"],
+            "precision": next((line for line in r["output"].splitlines() if line.startswith("precision:")), "")}
 
 
 def curves(run_dir: Path) -> dict:

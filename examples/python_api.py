@@ -1,4 +1,4 @@
-"""Your own agent and reward, trained from Python with no YAML (README: "Python API").
+"""Your own agent and reward, trained from Python with no YAML (docs/agents.md, "From Python or a notebook").
 
     .venv/bin/python examples/python_api.py                  # 5 GRPO steps of SmolLM2 on arithmetic
     .venv/bin/python examples/python_api.py run.steps=20     # any config key=value as an override

@@ -19,7 +19,8 @@ from pathlib import Path
 import yaml
 
 from relayrl import __version__
-from relayrl.common.utils import InputError, atomic_write_text, tune_allocator
+from relayrl.common import logs
+from relayrl.common.utils import InputError, atomic_write_text, install_hint, tune_allocator
 from relayrl.config import ConfigError, to_dict
 from relayrl.config.docs import describe
 from relayrl.config.schema import Config, load_run_config
@@ -119,11 +120,25 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _models(args: argparse.Namespace) -> int:
     from relayrl.models import MODEL_ALIASES, build_tiny_model
+    from relayrl.models.aliases import ALIAS_ABOUT, ALIAS_DIRS
+    from relayrl.models.store import is_complete
 
+    if args.action == "list":  # what each alias is and where it comes from: its weights are not the original's
+        for alias, about in ALIAS_ABOUT.items():
+            folder = ALIAS_DIRS[alias]()
+            state = "prepared" if is_complete(folder) else f"prepared on first use, or: relayrl models prepare {alias}"
+            print(f"{alias}: {about}\n  folder: {folder} ({state})")
+        print("hub ids (model.path: org/name[@revision]) download into the Hugging Face cache on first use; "
+              "HF_HUB_OFFLINE=1 or run.offline: true keeps runs offline")
+        return 0
+    if args.name is None:
+        print(f"relayrl models {args.action} needs a name (prepare ALIAS | tiny OUT_DIR)", file=sys.stderr)
+        return 2
     if args.action == "prepare":
         if args.name not in MODEL_ALIASES:
             print(f"unknown model {args.name!r}; known: {', '.join(MODEL_ALIASES)}", file=sys.stderr)
             return 2
+        print(f"{args.name}: {ALIAS_ABOUT[args.name]}", file=sys.stderr)
         print(MODEL_ALIASES[args.name](force=args.force))
     elif args.action == "tiny":
         print(build_tiny_model(args.name))
@@ -143,7 +158,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as e:
         if e.name not in SERVE_EXTRA:
             raise
-        print(f"relayrl serve: needs the {e.name} package: pip install 'relayrl[serve]'", file=sys.stderr)
+        print(f"relayrl serve: needs the {e.name} package: {install_hint('serve')}", file=sys.stderr)
         return 2
 
     options = ServeOptions(api_key=args.api_key, insecure=args.insecure, weights_root=args.weights_root,
@@ -152,7 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
                            kv_dtype=args.kv_dtype)
     try:
         serve(args.model, host=args.host, port=args.port, dtype=args.dtype, max_batch_size=args.max_batch_size,
-              max_seq_len=args.max_seq_len, seed=args.seed, log_level=args.log_level, options=options)
+              max_seq_len=args.max_seq_len, seed=args.seed, log_level=logs.resolve(args.log_level), options=options)
     except ServeRefused as e:
         print(f"relayrl serve: {e}", file=sys.stderr)
         return 2
@@ -224,44 +239,57 @@ def _serve_parser(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
     sv.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without --api-key")
     sv.add_argument("--seed", type=int, default=0, help="seed of unseeded requests' sampling")
-    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     sv.set_defaults(fn=_serve)
+
+
+def _common() -> argparse.ArgumentParser:
+    """The options every subcommand takes."""
+    c = argparse.ArgumentParser(add_help=False)
+    c.add_argument("--log-level", choices=logs.LEVELS, help=f"what relayrl logs on stderr (default: ${logs.ENV}, "
+                   f"else info: its automatic choices, once each; debug also shows other libraries' logs)")
+    return c
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="relayrl", description="RL training for LLM agents")
     p.add_argument("--version", action=_VersionAction, help="print relayrl's version, torch's and python's, and exit")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a policy from a YAML config")
+    common = _common()
+
+    def add(name: str, **kwargs: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], **kwargs)
+
+    t = add("train", help="train a policy from a YAML config")
     t.add_argument("--config", help="YAML config file (see examples/)")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-6 run.steps=10")
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     t.add_argument("--help-config", action="store_true", help="list every config key: type, default and meaning")
     t.set_defaults(fn=_train)
-    e = sub.add_parser("eval", help="evaluate a base model or a run's saved model on the config's eval set")
+    e = add("eval", help="evaluate a base model or a run's saved model on the config's eval set")
     e.add_argument("--config", required=True, help="YAML config (its data.eval, agent, judge, eval.* are used)")
     e.add_argument("--model", help="model folder to evaluate, e.g. runs/NAME/model (default: model.path)")
     e.add_argument("--out", help="also write the metrics to this JSON file")
     e.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.n=8 eval.temperature=1.0")
     e.set_defaults(fn=_eval)
-    st = sub.add_parser("show-trajectories", help="print a run's logged trajectories with colour")
+    st = add("show-trajectories", help="print a run's logged trajectories with colour")
     st.add_argument("run_dir")
     st.add_argument("--version", type=int, help="only trajectories started by this policy version")
     st.add_argument("--limit", type=int, default=10, help="show the last N (default 10)")
     st.add_argument("--only", choices=["success", "fail"])
     st.add_argument("--no-color", action="store_true")
     st.set_defaults(fn=_show)
-    pl = sub.add_parser("plot", help="plot reward / pass-rate curves of one or more runs to PNG")
+    pl = add("plot", help="plot reward / pass-rate curves of one or more runs to PNG")
     pl.add_argument("run_dirs", nargs="+")
     pl.add_argument("--out", help="PNG path (default: RUN_DIR/reward.png)")
     pl.set_defaults(fn=_plot)
-    m = sub.add_parser("models", help="prepare local models")
-    m.add_argument("action", choices=["prepare", "tiny"], help="prepare ALIAS | tiny OUT_DIR")
-    m.add_argument("name", help="alias (smollm2) for prepare; output folder for tiny")
+    m = add("models", help="list the model aliases and where they come from; prepare local models")
+    m.add_argument("action", nargs="?", default="list", choices=["list", "prepare", "tiny"],
+                   help="list (default) | prepare ALIAS | tiny OUT_DIR")
+    m.add_argument("name", nargs="?", help="alias (smollm2) for prepare; output folder for tiny")
     m.add_argument("--force", action="store_true")
     m.set_defaults(fn=_models)
-    _serve_parser(sub.add_parser("serve", help="serve a model over HTTP (SGLang-compatible native API + OpenAI API)"))
-    d = sub.add_parser("doctor", help="print this machine's CPU, what relayrl measured on it and what it chooses")
+    _serve_parser(add("serve", help="serve a model over HTTP (SGLang-compatible native API + OpenAI API)"))
+    d = add("doctor", help="print this machine's CPU, what relayrl measured on it and what it chooses")
     d.add_argument("--remeasure", action="store_true", help="drop this machine's cached measurements first")
     d.set_defaults(fn=_doctor)
     return p
@@ -283,7 +311,8 @@ def _run(args: argparse.Namespace) -> int:
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # user code named by import path in configs lives in the project folder
     try:
-        return args.fn(args)
+        with logs.configured(args.log_level):  # RELAYRL_LOG_LEVEL for the command's child processes too
+            return args.fn(args)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

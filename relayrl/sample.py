@@ -21,7 +21,7 @@ NO_VERSION = -1  # version of tokens that no policy produced (prompt continuatio
 
 
 class Status(enum.StrEnum):
-    """Where a sample is in its life. The names follow seed 002."""
+    """Where a sample is in its life: one status at a time, so a sample that is not trained on says why."""
 
     INIT = "init"  # prompt only, not yet generated
     COMPLETED = "completed"  # generated and judged: may be trained on

@@ -1,7 +1,8 @@
 """Engine helpers shared by tests: a real LocalEngine that halts itself mid-sequence (so tests act between two
 decode steps deterministically instead of racing the engine thread: a fast machine finishes 40 tiny-model
 tokens before a polling loop notices the 10th), real GRPO samples from a tiny model (`rollout`), and teaching a
-tiny model a continuation (`memorize`)."""
+tiny model a continuation (`memorize`), and a rollout controller that records what it served
+(`RecordingController`, for token-in/token-out checks)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,21 @@ import torch
 
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
+from relayrl.engine.rollout import RolloutController
 from relayrl.sample import Sample
+
+
+class RecordingController(RolloutController):
+    """A real RolloutController that also keeps every (input ids, output) pair it served, per trajectory."""
+
+    def __init__(self, engines):
+        super().__init__(engines)
+        self.calls: dict[str, list] = {}
+
+    async def generate(self, input_ids, params, rid=None):
+        out = await super().generate(input_ids, params, rid)
+        self.calls.setdefault(rid, []).append((list(input_ids), out))
+        return out
 
 
 class HaltingEngine(LocalEngine):

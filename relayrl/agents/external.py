@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from relayrl.agents.base import Agent
 from relayrl.agents.openai_agent import RecordingBackend, Session, finish_session
-from relayrl.common.utils import InputError
+from relayrl.common.utils import InputError, install_hint
 from relayrl.sample import Sample
 
 if TYPE_CHECKING:  # the proxy serves with uvicorn, the serve extra: imported when the first episode starts
@@ -68,7 +68,7 @@ class ExternalAgent(Agent):
         try:
             import uvicorn  # noqa: F401
         except ImportError:
-            raise InputError("agent.kind external serves its programs with uvicorn: pip install 'relayrl[serve]'") \
+            raise InputError(f"agent.kind external serves its programs with uvicorn: {install_hint('serve')}") \
                 from None
 
     def proxy(self) -> EpisodeProxy:

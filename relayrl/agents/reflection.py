@@ -1,15 +1,16 @@
-"""`ReflectionAgent`: answer, hear whether it was right, reflect and retry (seeds 001 and 003).
+"""`ReflectionAgent`: answer, hear whether it was right, reflect and retry.
 
 Each turn the model answers; the judge scores that turn's text; a wrong answer is followed by a
 feedback user turn (token ids appended, never re-encoded) and the model tries again, until it is right
-or `max_turns` is reached. Turns per sample vary. Rewards follow seed 001:
+or `max_turns` is reached. Turns per sample vary. With shaping on, a turn's success (0 or 1) is mapped to
+-1/+1 so that a wrong turn is pushed down, not merely left unrewarded, then shifted and scaled:
 
     r_t = ((success_t - 0.5) * 2 - reward_bias) * reward_scaling     (shaping on; else r_t = success_t)
 
 and the turn-level discount gamma is applied in one of two ways:
 - "final": the sample's reward is r_T * gamma^(T - 1) for the last turn T (AReaL's reflection workflow);
-- "per_turn": every turn gets its discounted reward-to-go R_t = r_t + gamma * R_(t+1) (seed 001's backward
-  sum), stored in `Turn.reward`; the trainer then gives each turn's tokens that turn's advantage.
+- "per_turn": every turn gets its discounted reward-to-go R_t = r_t + gamma * R_(t+1) (summed backward
+  from the last turn), stored in `Turn.reward`; the trainer then gives each turn's tokens that turn's advantage.
 
 Feedback may name the answer it rejects: a `{answer}` in the feedback text becomes the answer the turn committed
 to (its last \\boxed{}, else its last number; "nothing" when there is none), so the retry knows what to move
@@ -19,8 +20,8 @@ retry ends in the same words as a first attempt, so what training teaches the fi
 
 Each sample records `retries` and `repeats` (retries whose answer equals an earlier turn's): a wrong retry that
 repeats itself has learned nothing from the feedback, and `repeat_penalty` (subtracted from such a
-turn's r_t) tells the policy that repeating is worse than trying something else. Measured on SmolLM2-135M
-(docs/benchmarks.md): training raised the share of retries that repeat, so the penalty is there to push back.
+turn's r_t) tells the policy that repeating is worse than trying something else. Training alone can raise the
+share of retries that repeat (docs/benchmarks.md, "Making the feedback turns learnable"), so the penalty pushes back.
 
 `train_turns="retries"` trains only the turns that follow feedback (the first answer stays in the sequence as
 context, its tokens out of the loss), the first stage of SCoRe (Kumar et al., 2024). Trained on every turn, a
@@ -38,9 +39,8 @@ retries start from different wrong answers; from one planted state per group, th
 with each other on equal footing and the held-out rate is comparable across checkpoints. The planted turn is
 context (never trained) and counts as turn 1: a retry that succeeds is "solved at turn 2". Which groups are
 planted is a function of the question (p = 1: all; evaluate with p = 1 to measure recovery from planted states).
-Measured on SmolLM2-135M (docs/benchmarks.md): 20 steps at p = 1 raised recovery from planted states (8.2% ->
-12.1%, one run). Restating the question in the feedback (`{question}`) raised recoveries on the
-model's own mistakes and from planted states without planting (docs/benchmarks.md).
+What planting and restating the question (`{question}`) did for SmolLM2-135M: docs/benchmarks.md, "A curriculum of
+planted wrong first answers" and "Restating the question in the feedback".
 """
 
 from __future__ import annotations

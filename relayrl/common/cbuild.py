@@ -14,11 +14,11 @@ switched off (`kernels_enabled`).
 
 Why no -ffast-math: it lets the compiler replace a division by a reciprocal estimate and 1/sqrt by rsqrt, each
 refined by one Newton step whose result depends on the ISA (rcp14 on AVX-512, rcp on AVX2). The same source then
-computed different numbers on different CPUs: sigmoid(g) = 1 / (1 + exp(-g)) came out as 1 - 6e-8 for large g on an
-AVX-512 Xeon, and SwiGLU's gradient g * (1 - s) was off by 6e-4 relative. `CFLAGS` keeps what is CPU-independent:
-no errno (so expf vectorises through glibc's libmvec, declared `simd` in each source that calls it), no NaN or inf
-operands assumed (the kernels keep their arguments finite), and reassociation, which only reorders sums and
-reductions: results then differ by vector width at rounding level, which the tests' tolerances bound.
+computed different numbers on different CPUs: sigmoid(g) = 1 / (1 + exp(-g)) came out as 1 - 6e-8 for large g with
+AVX-512's estimate (exactly 1 elsewhere), and SwiGLU's gradient g * (1 - s) was off by 6e-4 relative. `CFLAGS` keeps
+what is CPU-independent: no errno (so expf vectorises through glibc's libmvec, declared `simd` in each source that calls
+it), no NaN or inf operands assumed (the kernels keep their arguments finite), and reassociation, which only reorders
+sums and reductions: results then differ by vector width at rounding level, which the tests' tolerances bound.
 """
 
 from __future__ import annotations

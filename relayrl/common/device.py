@@ -68,11 +68,11 @@ def avoid_cudnn_attention(device: torch.device) -> None:
     """On CUDA, turn off scaled_dot_product_attention's cuDNN backend (flash, memory-efficient and math stay on).
 
     Why: cuDNN builds an execution plan per input shape, and relayrl's shapes change at every call: a decode step
-    grows the context by one token, packed training changes the rows of every micro-batch. Measured on an H200
-    (torch 2.11, bench/decode_profile.py, docs/benchmarks.md "On a GPU"): a SmolLM2-135M decode step at batch 32
-    spent 62 of its 94 ms of host time in 30 cuDNN attention calls (2 ms each), against 5.5 ms of GPU time for
-    the whole step. The switch is process-wide (torch has no per-thread one), set by the engine and the trainer
-    when their model is on a GPU; a program that wants cuDNN back calls torch.backends.cuda.enable_cudnn_sdp(True).
+    grows the context by one token, packed training changes the rows of every micro-batch, so the planning is
+    paid at every attention call and a small model's decode step becomes bound by host time spent planning, not by
+    the GPU (docs/benchmarks.md, "On a GPU", the first and second runs; bench/decode_profile.py). The switch is
+    process-wide (torch has no per-thread one), set by the engine and the trainer when their model is on a GPU; a
+    program that wants cuDNN back calls torch.backends.cuda.enable_cudnn_sdp(True).
     """
     import torch
 

@@ -2,28 +2,30 @@
 native, float32 elsewhere, `resolve_dtype`) and `model.autocast_bf16: auto` (the trainer's matmuls in bf16
 wherever bf16 is native, CPUs included, `resolve_autocast`).
 
-Why measure: bf16 is 2-4x faster than fp32 where the CPU has AVX512-BF16 or AMX, and about 65x *slower* where
-it has only AVX2 (PyTorch then emulates it). torch's capability string does not tell the two apart ("AVX512"
-on both kinds of AVX-512 machine) and environment switches (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) change
-what the same CPU does. So: no bf16 flag in /proc/cpuinfo means no native bf16; otherwise a 256x256 matmul
-in both dtypes decides (`_measure`: a warm-up, then the two dtypes interleaved, the fastest of several repeats
-each, so that a busy machine slows both alike). On CUDA, the device's own answer (torch.cuda.is_bf16_supported)
-is used.
+Why measure: bf16 is several times faster than fp32 where the CPU has AVX512-BF16 or AMX, and far *slower*
+where it has only AVX2 (PyTorch then emulates it), so a wrong guess either way costs a large factor. torch's capability
+string does not tell the two apart ("AVX512" on both kinds of AVX-512 machine) and environment switches
+(ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) change what the same CPU does. So: no bf16 flag in /proc/cpuinfo means no
+native bf16; otherwise a 256x256 matmul in both dtypes decides (`_measure`: a warm-up, then the two dtypes interleaved,
+the fastest of several repeats each, so that a busy machine slows both alike). On CUDA, the device's own answer
+(torch.cuda.is_bf16_supported) is used.
 
 Why the plausibility check: the answer is cached per machine in ~/.cache/relayrl/hardware.json and every later
 run reads it, so one measurement taken while other processes held the cores would pick the wrong precision for
-good (an AMX Xeon once cached fp32 at 4 GFLOP/s, a twentieth of what it does: OpenMP threads waiting on each other
-under load). A measurement is cached only when it agrees with the CPU's flags (`implausible`): fp32 at least
-`FP32_FLOOR_PER_THREAD` for torch's ISA, and bf16 no slower than fp32 where the CPU has AVX512-BF16 or AMX and no
-ISA switch is set. Otherwise it is taken again (`PROBE_ATTEMPTS` in all); if it still disagrees, this run goes by
-the flags and nothing is cached. Cached entries are checked the same way when read, and keyed by relayrl's and
-torch's versions, so an upgrade measures anew. `relayrl doctor` prints what was measured and chosen.
+good (under load, OpenMP threads waiting on each other can make a fast CPU's fp32 look a small fraction of what it
+is; docs/benchmarks.md, "The hardware probe"). A measurement is cached only when it agrees with the CPU's flags
+(`implausible`): fp32 at least `FP32_FLOOR_PER_THREAD` for torch's ISA, and bf16 no slower than fp32 where the CPU has
+AVX512-BF16 or AMX and no ISA switch is set. Otherwise it is taken again (`PROBE_ATTEMPTS` in all); if it still
+disagrees, this run goes by the flags and nothing is cached. Cached entries are checked the same way when read, and
+keyed by relayrl's and torch's versions, so an upgrade measures anew. `relayrl doctor` prints what was measured and
+chosen.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -35,7 +37,6 @@ from pathlib import Path
 
 import torch
 
-from relayrl import __version__
 from relayrl.common.utils import atomic_write_text, cache_dir
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,9 @@ FP32_FLOOR_PER_THREAD = {"AVX512": 20.0, "AVX2": 10.0}
 # it may be what other processes left of the machine, so it must not decide for good.
 BUSY_LOAD_SHARE, BUSY_TTL_S = 0.5, 3600.0
 _PROBE_FORMAT = 2  # bumped when the measurement changes meaning: older cache entries are then not read
+# key -> a probe result that disagreed with the flags: never written to the cache, but kept for this process so
+# that a second question (`relayrl doctor` asks for the rates, then for the choice) does not measure again
+_uncached: dict[str, tuple[dict, str | None]] = {}
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ def bf16_support(device: str = "cpu") -> Bf16Support:
         return Bf16Support(ok, f"CUDA device {'supports' if ok else 'lacks'} bf16")
     model, flags = _cpuinfo()
     if flags and not any(f in flags for f in _BF16_FLAGS):
-        return Bf16Support(False, f"{model}: no avx512_bf16/amx_bf16 (bf16 would be emulated, ~65x slower)")
+        return Bf16Support(False, f"{model}: no avx512_bf16/amx_bf16 (bf16 would be emulated, far slower)")
     entry, why = probe(flags)
     rates = f"bf16 matmul {entry['bf16_gflops']:.0f} GFLOP/s vs fp32 {entry['fp32_gflops']:.0f}"
     if why is None:
@@ -113,6 +117,8 @@ def probe(flags: frozenset[str]) -> tuple[dict, str | None]:
     cached = _read_cache().get(key)
     if cached is not None and implausible(cached, flags) is None:
         return cached | {"source": "measured, cached"}, None
+    if key in _uncached:  # measured already in this process and never cached: the same answer, not 3 more tries
+        return _uncached[key]
     best: dict = {}
     for _ in range(PROBE_ATTEMPTS):
         m = _measure() | _stamp(os.getloadavg()[0])
@@ -122,7 +128,8 @@ def probe(flags: frozenset[str]) -> tuple[dict, str | None]:
             _write_cache(key, best)
             return best | {"source": "measured now, cached"}, None
         logger.info("hardware probe: %s; measuring again", why)
-    return best | {"source": "measured now, not cached"}, why
+    _uncached[key] = best | {"source": "measured now, not cached"}, why
+    return _uncached[key]
 
 
 def implausible(entry: dict, flags: frozenset[str]) -> str | None:
@@ -180,15 +187,16 @@ def resolve_dtype(setting: str, device: str = "cpu", autocast: bool | str = "aut
 
 
 # model.train_dtype "auto" keeps fp32 weights unless their training floor (16 B/param) is at least this share of the
-# device's memory: then a step would not fit with its activations, runtime and engine (1.2-1.5x the floor measured
-# with the memory settings, docs/benchmarks.md "Scaling with model size"), and bf16 weights (8 B/param) let it run
+# device's memory: then a step would not fit with its activations, runtime and engine (which add a fraction of
+# the floor again even with the memory settings, docs/benchmarks.md "Scaling with model size"), and bf16 weights
+# (8 B/param) let it run
 BF16_WEIGHTS_SHARE = 0.5
 
 
 def resolve_train_dtype(setting: str, device: str, params: int | None, memory: int | None) -> tuple[str, str]:
     """model.train_dtype -> (dtype name, reason). "auto": float32, unless the fp32 floor of `params` trainable
     parameters is at least BF16_WEIGHTS_SHARE of the device's `memory` and bf16 is native there (on an AVX2 CPU bf16
-    weights would run ~65x slower). None for either count: unknown, float32."""
+    is emulated and bf16 weights would run many times slower). None for either count: unknown, float32."""
     if setting != "auto":
         slow = setting == "bfloat16" and not bf16_support(device).native
         return setting, "set in the config" + ("; bf16 is not native here: its matmuls run far slower" if slow else "")
@@ -203,8 +211,8 @@ def resolve_train_dtype(setting: str, device: str, params: int | None, memory: i
 def resolve_autocast(setting: bool | str, engine_dtype: str, device: str = "cpu") -> bool:
     """model.autocast_bf16 -> whether the trainer's matmuls run in bf16 (fp32 weights, gradients and AdamW).
     "auto": yes where the engine runs bf16 (a GPU that has it), and on a CPU where bf16 is native (AVX512-BF16,
-    AMX): there the README job's fits take ~0.7x the time at about the same peak memory (docs/benchmarks.md,
-    "bf16 autocast by default where it is native"); where bf16 is emulated (AVX2) it would be ~65x slower."""
+    AMX): there the matmuls, most of a fit's time, run faster at about the same peak memory (docs/benchmarks.md,
+    "bf16 autocast by default where it is native"); where bf16 is emulated (AVX2) it would be many times slower."""
     if setting != "auto":
         return bool(setting)
     return engine_dtype == "bfloat16" or (device == "cpu" and bf16_support("cpu").native)
@@ -225,8 +233,8 @@ def _measure(n: int = 256, repeats: int = 7, seconds: float = 0.002) -> dict[str
     """GFLOP/s of an n x n matmul in fp32 and bf16 on one thread: one warm-up call each (kernel selection, page
     faults), then `repeats` rounds alternating the dtypes, each round timing calls for >= `seconds`; the fastest
     round counts, so a round slowed by another process does not. One thread, because the question is what a core's
-    instructions do, and two OpenMP threads on a busy machine wait on each other: on a 2-core Xeon at load 3 the
-    same matmul ran at 8 GFLOP/s on two threads and 170-190 on one."""
+    instructions do, and two OpenMP threads on a busy machine wait on each other, which can make the
+    same matmul many times slower on two threads than on one (docs/benchmarks.md, "The hardware probe")."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -258,7 +266,7 @@ def _stamp(load: float) -> dict:
 def _cache_key(model: str, flags: frozenset[str]) -> str:
     """This machine as the cache sees it: CPU, flags, the ISA switches, torch's thread count and the versions of
     torch, relayrl and the probe (an upgrade measures anew)."""
-    parts = [model, " ".join(sorted(flags)), torch.__version__, __version__, str(_PROBE_FORMAT),
+    parts = [model, " ".join(sorted(flags)), torch.__version__, _relayrl_version(), str(_PROBE_FORMAT),
              str(torch.get_num_threads()), *(os.environ.get(k, "") for k in _ENV_SWITCHES)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -277,6 +285,15 @@ def _read_cache() -> dict:
     return {k: v for k, v in entries.items() if isinstance(v, dict) and v.get("expires_at", now + 1) > now}
 
 
+def _relayrl_version() -> str:
+    """relayrl's version from the installed package's metadata (a new release measures again); read there because
+    a module this low must not import the package top. A checkout that was never installed reads as "source"."""
+    try:
+        return importlib.metadata.version("relayrl")
+    except importlib.metadata.PackageNotFoundError:
+        return "source"
+
+
 def forget(key: str) -> None:
     """Drop this machine's cached measurements (`key` and its named ones): the next read measures anew."""
     kept = {k: v for k, v in _read_cache().items() if k != key and not k.startswith(key + ":")}
@@ -285,6 +302,7 @@ def forget(key: str) -> None:
     except OSError as e:
         logger.debug("hardware cache not written: %s", e)
     bf16_support.cache_clear()
+    _uncached.pop(key, None)
 
 
 def _write_cache(key: str, entry: dict) -> None:

@@ -93,6 +93,12 @@ class InputError(ValueError):
     CLI prints it without a traceback."""
 
 
+def install_hint(extra: str) -> str:
+    """How to add one of pyproject.toml's extras. relayrl is installed from its checkout (scripts/setup.sh,
+    editable) until it is published, so `pip install relayrl[x]` would find nothing: every hint says this."""
+    return f"pip install -e '.[{extra}]' in the relayrl checkout"
+
+
 def check_writable(path: str | os.PathLike, key: str) -> None:
     """Create `path` and write a file in it, so an unwritable folder fails before compute is spent;
     the error names the config key that chose the folder."""
@@ -152,8 +158,9 @@ def release_openmp_threads() -> None:
 
     Each Python thread that runs torch ops owns an OpenMP team. Once libgomp manages more threads than there
     are CPUs (the engine's worker and the trainer's thread, two teams of two on two cores), it stops spinning
-    between parallel regions and every small op pays a futex wake-up: measured 7-8x slower elementwise ops and
-    a third of a decode step. A thread about to wait gives its team back; its next op builds a new one (~0.1 ms).
+    between parallel regions and every small op pays a futex wake-up, which makes elementwise ops several times
+    slower and costs a decode step much of its time (docs/benchmarks.md, "Rollout speed"). A thread about to wait
+    gives its team back; its next op builds a new one, a one-off cost far below a wake-up per op.
     Called only by a thread about to block (LocalEngine's creator, Env.run), never under a lock.
     """
     import torch  # noqa: F401 - libgomp is torch's; load it before looking for it
@@ -182,19 +189,18 @@ def tune_allocator() -> None:
 
     One arena (RELAYRL_MALLOC_ARENAS, default 1; 0 keeps glibc's default, 8 per core): glibc gives each thread
     that allocates under contention its own heap, and one heap's freed pages are no use to another, so the
-    engine's worker thread and the trainer's thread each kept their own high-water mark. Measured on the
-    README job at two threads: peak 5.3 GB with glibc's arenas, 3.0 GB with one (see docs/benchmarks.md for
-    the side-by-side run and its time). A MALLOC_ARENA_MAX the user exported wins.
+    engine's worker thread and the trainer's thread each kept their own high-water mark, and the peaks add up
+    (docs/benchmarks.md, "The whole job, phase by phase"). A MALLOC_ARENA_MAX the user exported wins.
 
     Opt-in (RELAYRL_MMAP_THRESHOLD=BYTES): give every allocation of at least BYTES its own mapping. glibc's
-    threshold rises (up to 32 MB) each time a mapped block is freed, so a step's activations (10-30 MB each)
-    land in heaps that keep their freed holes; a fixed threshold returns them at once but every such block then
+    threshold rises (up to 32 MB) each time a mapped block is freed, so a step's activations (blocks of tens of
+    MB) land in heaps that keep their freed holes; a fixed threshold returns them at once but every such block then
     pays fresh page faults. With it, torch is asked for transparent huge pages on its large tensors
     (THP_MEM_ALLOC_ENABLE, read once by torch's allocator, so only when torch is not imported yet and the
-    variable is unset): one fault per 2 MB instead of 512. Measured on the 135M-shape scaling step
-    (docs/benchmarks.md): peak 4.45 -> 3.27 GB, step time +18% with the threshold alone, +10% with huge pages.
+    variable is unset): one fault per 2 MB instead of 512. It trades step time for a lower peak
+    (docs/benchmarks.md, "Scaling with model size"), and huge pages win back part of the time.
     Unset, it is decided per run once the trainer knows its size (`fit_allocator_to`); 0 keeps it off.
-    `trim_memory` between phases gives the held memory back at no measured cost.
+    `trim_memory` between phases gives the held memory back; once per phase, the page faults it causes are few.
 
     Also bounds oneDNN's two kernel caches (`bound_onednn_caches`), on any platform.
     """
@@ -215,7 +221,8 @@ def tune_allocator() -> None:
 
 AUTO_MMAP_THRESHOLD = 1 << 20  # what fit_allocator_to sets: blocks of 1 MiB and more get their own mapping
 # memory is "tight" when the training floor (training_floor: 16 bytes per fp32 parameter) is at least this share of
-# the memory that holds it: a step without the memory settings reaches 1.5-4x its floor (docs/benchmarks.md)
+# the memory that holds it: a step without the memory settings reaches several times its floor (docs/benchmarks.md,
+# "Scaling with model size")
 TIGHT_FLOOR_SHARE = 0.2
 
 
@@ -243,13 +250,13 @@ def fit_allocator_to(floor_bytes: int) -> str:
     is a large share of the machine's RAM (`memory_is_tight`) and RELAYRL_MMAP_THRESHOLD is unset; say what the
     allocator does now.
 
-    Why a rule and not a default: the threshold takes the heap's retention of freed activations away (peak 1.27x
-    the floor instead of 1.54x at SmolLM2-360M's shape, 1.18x at Qwen2.5-0.5B's) but every large block then pays
-    fresh page faults: +4% step time at 360M, +18% at 135M (docs/benchmarks.md, "Scaling with model size").
-    Where the floor is small next to the RAM (the README job: 2.15 GB) memory is not what limits the run and the
-    time is kept; where it is large, the retention (0.5-1x the floor) decides whether the run fits. Set after
-    torch is loaded, so without the huge pages tune_allocator asks for (they halve the cost at 135M and change
-    nothing at 360M). Applies to the blocks allocated from now on: the activations of training.
+    Why a rule and not a default: the threshold takes the heap's retention of freed activations away (a lower
+    peak relative to the floor) but every large block then pays fresh page faults, a step-time cost that is
+    largest for small models (docs/benchmarks.md, "Scaling with model size"). Where the floor is small next to the
+    RAM (the README job) memory is not what limits the run and the time is kept; where it is large, the retention
+    (a sizeable fraction of the floor) decides whether the run fits. Set after torch is loaded, so without the
+    huge pages tune_allocator asks for (they recover part of the cost only for small models). Applies to the blocks
+    allocated from now on: the activations of training.
     """
     setting = os.environ.get("RELAYRL_MMAP_THRESHOLD") or ""
     libc = _glibc()
@@ -285,11 +292,11 @@ def bound_onednn_caches() -> None:
     """Keep at most ONEDNN_CACHE_CAPACITY kernels in each of oneDNN's caches (its primitive cache and ideep's).
 
     On a CPU every bf16 matmul (autocast, a bf16 engine) runs through a oneDNN kernel built for its exact shape
-    and kept in two caches of 1024 entries each, ~0.3 MB per entry in each. Training shapes follow each
-    micro-batch's token count, so they rarely repeat across steps: the README job's steps add ~100 new shapes,
-    ~60 MB, each, until both caches hold ~0.6 GB (measured, docs/benchmarks.md). A kernel is rebuilt in about a
-    millisecond, and within one step the shapes that repeat (30 layers of one shape) stay cached. Read when the
-    first oneDNN kernel is built, so this must run before the first bf16 matmul; values the user exported win.
+    and kept in two caches of 1024 entries each. Training shapes follow each micro-batch's token count, so they
+    rarely repeat across steps: every step adds new shapes, and the heap grows step after step until both caches
+    are full, hundreds of MB later (docs/benchmarks.md, "bf16 autocast by default where it is native"). A kernel is
+    rebuilt in about a millisecond, and within one step the shapes that repeat (30 layers of one shape) stay cached.
+    Read when the first oneDNN kernel is built, so this must run before the first bf16 matmul; exported values win.
     """
     for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):  # oneDNN's, ideep's (0 crashes it)
         os.environ.setdefault(var, str(ONEDNN_CACHE_CAPACITY))

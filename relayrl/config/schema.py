@@ -13,23 +13,25 @@ from pathlib import Path
 from typing import Any, Literal
 
 from relayrl.common.device import DEVICE_SETTINGS, valid_device_setting
-from relayrl.common.net import check_address
+from relayrl.config.engine import EngineConfig
 from relayrl.config.loader import check, fill_missing, load_config
 from relayrl.config.presets import DEFAULT_MAX_NEW_TOKENS, PRESETS, PresetName, int_at
 from relayrl.config.rules import check_rules
-from relayrl.config.trackers import DEFAULT_TRACKERS, tracker_problem
+from relayrl.config.trackers import DEFAULT_TRACKERS, WandbConfig, tracker_problem
 
 
 @dataclass
 class ModelConfig:
-    path: str = "smollm2"  # a local HF folder, an alias prepared on first use (smollm2), or a cached hub id org/name
+    # a local HF folder, an alias prepared on first use (smollm2), or a hub id org/name[@revision] (downloaded into
+    # the HF cache on first use; run.offline: cache only)
+    path: str = "smollm2"
     # the trainer's weights, gradients and AdamW moments: float32 (16 bytes/param), or bfloat16 (8 bytes/param:
     # twice the model in the same memory; each update rounded stochastically, relayrl.trainer.optim; fast only where
     # bf16 is native; the local trainer only); auto: float32 unless its floor is half the device's memory or more
     # and bf16 is native there (relayrl.common.hardware.resolve_train_dtype)
     train_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # bf16 autocast for trainer forward/backward (fp32 master weights); auto: on where bf16 is native (a GPU
-    # with bf16, a CPU with AVX512-BF16 or AMX: ~0.7x the fit time), off where it is emulated (AVX2 CPUs)
+    # with bf16, a CPU with AVX512-BF16 or AMX: faster fits, docs/benchmarks.md), off where it is emulated (AVX2 CPUs)
     autocast_bf16: bool | Literal["auto"] = "auto"
     # recompute each layer in backward: activations of one layer, ~30% more compute; auto: on when the training
     # floor (16 bytes per trainable fp32 parameter, 8 per bf16 one) is at least a fifth of the trainer device's
@@ -51,7 +53,7 @@ class ModelConfig:
         # relayrl.models loads torch and transformers (seconds): imported only when a config is checked, so that
         # importing the schema (the CLI's --help, --help-config) stays instant
         from relayrl.models import MODEL_ALIASES
-        from relayrl.models.hub import cached_snapshot, looks_like_repo_id
+        from relayrl.models.hub import looks_like_repo_id
 
         check(self.lora_rank >= 0, "lora_rank", "must be >= 0 (0: LoRA off)")
         check(self.lora_alpha > 0, "lora_alpha", "must be > 0")
@@ -61,103 +63,11 @@ class ModelConfig:
         if self.path in MODEL_ALIASES:
             return
         p = Path(self.path).expanduser()
-        if not p.exists() and looks_like_repo_id(self.path):  # a hub id: its snapshot in the local HF cache
-            try:
-                p = cached_snapshot(self.path, "model")
-            except FileNotFoundError as e:
-                check(False, "path", f"no folder {self.path!r}, and {e}")
+        if not p.exists() and looks_like_repo_id(self.path):
+            return  # a hub id: Config.validate finds or fetches it, knowing run.offline
         check(p.is_dir(), "path", f"model folder {self.path!r} does not exist (or use an alias: "
                                   f"{', '.join(MODEL_ALIASES)})")
         check((p / "config.json").is_file(), "path", f"model folder {self.path!r} has no config.json")
-
-
-@dataclass
-class EngineConfig:
-    kind: Literal["local", "remote"] = "local"  # remote: inference servers over HTTP (RemoteEngine)
-    # auto: bfloat16 where bf16 is native (GPUs with it, AVX512-BF16/AMX CPUs with a bf16-autocast trainer), else
-    # float32 (relayrl.common.hardware)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_batch_size: int = 64  # sequences decoded together
-    max_seq_len: int | None = None  # default: the model's max_position_embeddings
-    num_engines: int = 1  # local engines in this process, or servers to launch (engine.launch)
-    max_tokens_in_flight: int | None = None  # admit requests while sum(prompt + max_new_tokens) fits
-    kv_cache_gb: float | None = None  # each local engine's KV cache budget, GB (1e9 B); requests beyond it queue
-    # local engines' KV cache: auto = the engine's dtype; bfloat16 under a float32 engine halves the cache (twice the
-    # sequences or context in the same memory, half the bytes each decode step reads) at the price of rounding the
-    # keys and values to bf16 (SmolLM2's logprobs move ~0.005 nats per token, at most ~0.06: bench/kv_dtype_parity.py)
-    kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    prefix_cache_size: int = 64  # finished trajectories whose KV is kept for their next turn
-    # local engines: prompts that arrive together are prefilled in forwards of up to this many (padded) tokens, their
-    # shared start once (relayrl.engine.prefill); 0: one prompt per forward, nothing shared
-    prefill_tokens: int = 2048
-    kv_on_update: Literal["recompute", "keep"] = "recompute"  # KV of running sequences after a weight update
-    # colocated synchronous runs: local engines give back their KV cache and weights while the trainer trains
-    # (the weight sync after the step restores them), so generation's and training's peaks never add up
-    release_during_train: bool = True
-    # one model object for engine and trainer when both run in the same dtype (sync, colocated, one local engine,
-    # a local full-parameter trainer): no second copy of the weights, and the weight sync copies nothing
-    share_trainer_weights: bool = True
-    # decode-step attention of local engines: kernel = relayrl's C kernel (built once with the system compiler),
-    # sdpa = PyTorch's; auto = the kernel when it builds and fits the model, else sdpa
-    attention: Literal["auto", "kernel", "sdpa"] = "auto"
-    # local engines on a GPU: replay each decode step as a CUDA graph (one launch instead of hundreds; the batch is
-    # padded to a bucket). No effect on CPU. relayrl.engine.decode_graphs
-    cuda_graphs: bool = True
-    # fp32 trainer weights into a bf16 engine: stochastic = rounded up or down at random so the engine's policy
-    # follows the trainer's from the first step (rounded to nearest, most weights keep their bf16 value for many
-    # steps at RL learning rates); remote servers are then sent bf16 (dtype bfloat16); also how a local engine loads
-    # a model stored in fp32 (relayrl eval/serve of a trained model); nearest = plain casts
-    weight_rounding: Literal["stochastic", "nearest"] = "stochastic"
-    # local engines generating when an update arrives: move it to their device and round it into their dtype first,
-    # still generating, then pause only for a copy (costs one copy of the weights in the engine's dtype meanwhile;
-    # on a GPU, skipped when that does not fit). false: move and round with the engine paused
-    stage_weights: bool = True
-    # remote engines: servers at `addresses`, or num_engines servers started by the run (`launch`)
-    backend: Literal["sglang", "vllm"] = "sglang"  # sglang: SGLang's native API (also `relayrl serve`)
-    addresses: list[str] = field(default_factory=list)  # e.g. ["http://10.0.0.5:30000"]
-    launch: Literal["none", "relayrl", "vllm"] = "none"  # start the servers as subprocesses, stop them at exit
-    vllm_python: str = ".venv-vllm/bin/python"  # launch=vllm: the interpreter of vLLM's own virtualenv
-    api_key: str | None = None  # sent as a bearer token to the servers, and required by launched ones
-    weights_dir: str | None = None  # where new weights are written for the servers (default RUN_DIR/weights)
-    request_timeout: float = 600.0  # seconds per generation request
-    retries: int = 3  # per request, with exponential backoff, before EngineUnavailable
-    launch_timeout: float = 300.0  # seconds a launched server may take to become healthy
-    # how new weights reach remote servers: disk (a safetensors folder in weights_dir, which they must be able
-    # to read) or distributed (broadcast over a torch process group, trainer rank 0; SGLang's protocol)
-    weight_sync: Literal["disk", "distributed"] = "disk"
-    weight_sync_backend: Literal["auto", "nccl", "gloo"] = "auto"  # distributed: auto = nccl with CUDA, else gloo
-
-    @property
-    def launched_servers(self) -> int:
-        """How many inference servers the run itself starts (and stops)."""
-        return self.num_engines if self.kind == "remote" and self.launch != "none" else 0
-
-    def validate(self) -> None:
-        check(self.max_batch_size >= 1, "max_batch_size", "must be >= 1")
-        check(self.kv_cache_gb is None or self.kv_cache_gb > 0, "kv_cache_gb", "must be > 0 (or null: no budget)")
-        check(self.num_engines >= 1, "num_engines", "must be >= 1")
-        check(self.prefill_tokens >= 0, "prefill_tokens", "must be >= 0 (0: one prompt per forward)")
-        check(self.retries >= 0, "retries", "must be >= 0")
-        check(self.request_timeout > 0, "request_timeout", "must be > 0")
-        if self.kind == "remote":
-            check(bool(self.addresses) != (self.launch != "none"), "addresses",
-                  "engine.kind=remote needs either addresses (running servers) or launch=relayrl|vllm, not both")
-            check(self.launch != "relayrl" or self.backend == "sglang", "backend",
-                  "launch=relayrl serves the sglang-native API: set backend=sglang")
-            check(self.launch != "vllm" or self.backend == "vllm", "backend", "launch=vllm needs backend=vllm")
-            check(self.weight_sync == "disk" or self.backend == "sglang", "weight_sync",
-                  "distributed needs backend=sglang (SGLang's broadcast routes, also served by relayrl serve): "
-                  "vLLM's weight-transfer routes use their own NCCL rendezvous, which relayrl does not speak; "
-                  "use weight_sync=disk with vLLM")
-            for a in self.addresses:
-                try:
-                    check_address(a)
-                except ValueError as e:
-                    check(False, "addresses", str(e))
-        check(self.max_tokens_in_flight is None or self.max_tokens_in_flight >= 1, "max_tokens_in_flight",
-              "must be >= 1")
-        check(self.weight_sync == "disk" or self.kind == "remote", "weight_sync",
-              "distributed sends weights to inference servers: it needs kind=remote")
 
 
 @dataclass
@@ -181,7 +91,7 @@ class SamplingConfig:
 class DatasetConfig:
     # "gsm8k:train|test" (shipped) | "reasoning_gym:<task>" | a file (.jsonl/.json, optionally .gz/.xz/.bz2;
     # .parquet/.csv/.tsv/.arrow) or a folder of such files or a save_to_disk folder | a Hugging Face hub id
-    # "org/name" (or "hf:org/name") read from the local HF cache, never downloaded | "package.module:function"
+    # "org/name[@revision]" (or "hf:org/name"), downloaded into the HF cache on first use | "package.module:function"
     source: str = ""
     subset: str | None = None  # hub id / folder: the dataset config ("main" for openai/gsm8k); None: the default
     split: str | None = None  # hub id / folder: the split to read (e.g. train, test); None: the only split
@@ -405,7 +315,8 @@ class RunConfig:
     seed: int = 0  # seeds sampling, shuffling and initialisation: a run repeats exactly
     output_dir: str = "runs"  # the run writes to output_dir/name
     # where metrics go, any of: tensorboard (RUN_DIR/tensorboard), jsonl (RUN_DIR/metrics.jsonl, always written:
-    # resume and plots read it), wandb (offline only, RUN_DIR/wandb), mlflow (RUN_DIR/mlruns); see README Tracking
+    # resume and plots read it), wandb (RUN_DIR/wandb; see run.wandb), mlflow (RUN_DIR/mlruns);
+    # see docs/guide.md, "Tracking"
     trackers: list[str] = field(default_factory=lambda: list(DEFAULT_TRACKERS))
     # mlflow's tracking store: "" = a file store in RUN_DIR/mlruns; a local path, or a URI you choose (sqlite:, http:)
     mlflow_uri: str = ""
@@ -414,18 +325,24 @@ class RunConfig:
     # where the trainer and the local engines load their models: auto (cuda when available), cpu, cuda, cuda:N
     device: str = "auto"
     print_samples: int = 1  # responses shown per step in the console
+    # rows (step, prompt, completion, reward) of each step's batch sent to the trackers: a wandb table, mlflow
+    # artifacts samples/step_N.json, TensorBoard text (0: none); every sample is in RUN_DIR/trajectories anyway
+    samples_per_step: int = 4
     log_trajectories: bool = True  # RUN_DIR/trajectories/<version>/{samples.txt,monitor.jsonl}
     save_final: bool = True  # RUN_DIR/model: the trained policy as a plain HF folder (for relayrl eval)
     # RUN_DIR/checkpoints/step_N every N steps and at the last step (0: none); see docs/checkpoints.md
     checkpoint_every: int = 0
     keep_checkpoints: int = 2  # complete checkpoints kept; older ones are deleted once a newer one is complete
     resume: str = ""  # "auto": the latest checkpoint of output_dir/name (none: start there); or a run or step_N folder
+    offline: bool = False  # no network: hub ids (model.path, data.*.source) only from the local HF cache; wandb offline
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # wandb's project, entity, run name, tags and mode
 
     def validate(self) -> None:
         check(self.steps >= 0, "steps", "must be >= 0")
         check(valid_device_setting(self.device), "device", f"must be {DEVICE_SETTINGS}, got {self.device!r}")
         check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0: no checkpoints)")
         check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+        check(self.samples_per_step >= 0, "samples_per_step", "must be >= 0 (0: none)")
         problem = tracker_problem(self.trackers)  # a missing package fails here, before any model loads
         check(problem is None, "trackers", problem or "")
         if self.resume not in ("", "auto"):
@@ -498,6 +415,27 @@ class Config:
             check(not self.run.resume, "run.resume", "resume is not supported with scheduler.placement=separate yet")
         if self.model.lora_rank:
             self._check_lora()
+        self._fetch_hub_ids()
+
+    def _fetch_hub_ids(self) -> None:
+        """Hub ids are found in the HF cache or downloaded now, before compute is spent; run.offline: cache only."""
+        from relayrl.models.hub import hub_dataset_id, hub_snapshot, looks_like_repo_id
+
+        path = self.model.path
+        if looks_like_repo_id(path) and not Path(path).expanduser().exists():
+            try:
+                folder = hub_snapshot(path, "model", offline=self.run.offline)
+            except FileNotFoundError as e:
+                check(False, "model.path", f"no folder {path!r}, and {e}")
+            check((folder / "config.json").is_file(), "model.path", f"hub model {path!r} has no config.json")
+        for key, data in (("data.train", self.data.train), ("data.eval", self.data.eval)):
+            name = hub_dataset_id(data.source) if data else None
+            if name:
+                try:
+                    hub_snapshot(name, "dataset", offline=self.run.offline)
+                except FileNotFoundError as e:
+                    local = "" if data.source.startswith("hf:") else f"no file or folder {data.source!r}, and "
+                    check(False, f"{key}.source", f"{local}{e}")
 
     def _check_lora(self) -> None:
         """What LoRA (model.lora_rank > 0) does not support yet, refused before anything loads."""

@@ -1,10 +1,11 @@
 """Datasets read through Hugging Face `datasets`: parquet / csv / tsv / arrow files, folders of data files,
-`save_to_disk` folders, and hub ids ('org/name' or 'hf:org/name') from the LOCAL hub cache only.
+`save_to_disk` folders, and hub ids ('org/name[@revision]' or 'hf:org/name').
 
-A hub id resolves to its snapshot folder in the hub cache (`relayrl.models.hub`), which is then read as a
-local folder: the dataset card's configs pick the files of `subset`, nothing is fetched, and a dataset that is
-not cached is an error naming the id and the folder looked in. The arrow files `datasets` builds from these
-sources go to its usual cache (HF_DATASETS_CACHE or HF_HOME/datasets, read at call time).
+A hub id resolves to its snapshot folder in the hub cache, downloaded there on first use unless offline
+(`relayrl.models.hub`; a run's config check has fetched it already), which is then read as a local folder: the
+dataset card's configs pick the files of `subset`, and `datasets` itself never goes online. The arrow files
+`datasets` builds from these sources go to its usual cache (HF_DATASETS_CACHE or HF_HOME/datasets, read at
+call time).
 Every failure of `datasets` is re-raised as an InputError naming the source, so the CLI prints it plainly.
 """
 
@@ -28,7 +29,7 @@ from datasets import (
 
 from relayrl.common.utils import InputError
 from relayrl.config.schema import DatasetConfig
-from relayrl.models.hub import cached_snapshot, hf_home, looks_like_repo_id
+from relayrl.models.hub import hf_home, hub_dataset_id, hub_snapshot
 
 BUILDERS = {".parquet": ("parquet", {}), ".csv": ("csv", {}), ".tsv": ("csv", {"delimiter": "\t"}),
             ".arrow": ("arrow", {})}
@@ -90,17 +91,17 @@ def _pick_split(data: Dataset | DatasetDict, cfg: DatasetConfig, label: str, key
 
 
 def hf_rows(cfg: DatasetConfig, key: str) -> Iterator[Located]:
-    """Rows of a data file/folder or a cached hub dataset, each with a 'source[split][i]' location for errors.
+    """Rows of a data file/folder or a hub dataset, each with a 'source[split][i]' location for errors.
     Rows are produced lazily, so `size` rows of a large dataset cost only those rows."""
     src = cfg.source
     path = Path(src).expanduser()
     if src.startswith(HUB_PREFIX) or not path.exists():
         name = src.removeprefix(HUB_PREFIX)
         local = "" if src.startswith(HUB_PREFIX) else f"no file or folder {src!r}, and "
-        if not looks_like_repo_id(name):
+        if hub_dataset_id(src) is None:
             raise FileNotFoundError(f"{key}.source: {local}{name!r} is not a hub id 'org/name'")
         try:
-            path = cached_snapshot(name, "dataset")
+            path = hub_snapshot(name, "dataset")
         except FileNotFoundError as e:
             raise FileNotFoundError(f"{key}.source: {local}{e}") from None
         label = f"{name}" + (f" ({cfg.subset})" if cfg.subset else "") + f" at {path}"

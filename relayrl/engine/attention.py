@@ -1,8 +1,9 @@
 """Decode-step attention for LocalEngine: a small C kernel over the slot KV cache, with SDPA as the fallback.
 
 Why a kernel: at a rollout's shape (hundreds of sequences, one new token each, grouped-query heads) PyTorch's
-CPU SDPA spends most of its time on per-(sequence, head) overhead and reaches ~9 GB/s on a machine that reads
-40 GB/s; attention was 61% of a decode step (docs/benchmarks.md). `kernels/decode_attention.c` reads every key
+CPU SDPA spends most of its time on per-(sequence, head) overhead and reads the cache at a fraction of the
+machine's memory bandwidth, and attention is then the largest part of a decode step (docs/benchmarks.md, "Rollout
+speed"). `kernels/decode_attention.c` reads every key
 and value row once, for all query heads that share it, and also writes the step's new key/value (no separate
 index_put). It is compiled once per machine (relayrl.common.cbuild) and loaded with ctypes, which releases the
 GIL during the call. Without a compiler, or with RELAYRL_KERNELS=0, LocalEngine uses SDPA.

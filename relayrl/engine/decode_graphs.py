@@ -1,8 +1,8 @@
 """Decode steps replayed as CUDA graphs: a LocalEngine on a GPU launches a whole decode step at once.
 
 Why: a decode step of a small model is hundreds of tiny kernels, and PyTorch + transformers spend several
-microseconds of host time launching each. Measured on an H200 (docs/benchmarks.md, "On a GPU"): the GPU computed a
-SmolLM2-135M decode step at batch 32 in 5.5 ms while the host needed ~75 ms to launch it. A CUDA graph records one
+microseconds of host time launching each, so on a fast GPU the step waits on the host, which needs many times
+longer to launch it than the GPU needs to compute it (docs/benchmarks.md, "On a GPU"). A CUDA graph records one
 step's kernels once and replays them with a single launch.
 
 A graph replays fixed shapes at fixed addresses, so the step it records is a *static* one: the batch is padded up to
@@ -104,7 +104,7 @@ class StaticDecode:
         self.cache.decode(positions, length)
         mask = (torch.arange(length, device=positions.device)[None, :] <= positions[:, None])[:, None, None, :]
         out = self.model(input_ids=step.io[0][:, None], position_ids=positions[:, None], attention_mask=mask,
-                         past_key_values=self.cache, use_cache=True)
+                         cache=self.cache, use_cache=True)
         return out.logits[:, -1]
 
     def _record(self, step: _Step) -> bool:

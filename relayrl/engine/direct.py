@@ -3,14 +3,14 @@
 Why: a decode step's work is small (one token per running sequence), and on a CPU the HF forward's Python costs
 show: per layer it builds rotary embeddings, masks and cache calls, reshapes and transposes queries, keys and values,
 and dispatches through a dozen module calls. Written out (the same weights and kernels: the engine's linears, the
-decode-attention kernel through the slot cache), a SmolLM2-135M step at 16 rows went from 49.8 to 47.1 ms and at 32
-rows from 87.2 to 83.0 ms on a Zen 4 as AVX2 (docs/benchmarks.md, "Rollout speed"), its logits the same bit for bit
-with PyTorch's ops between the linears.
+decode-attention kernel through the slot cache), a step saves that Python time (docs/benchmarks.md, "Rollout
+speed"), its logits the same bit for bit with PyTorch's ops between the linears.
 
 Between the linears, fp32 steps run C instead of PyTorch's ops (kernels/decode_ops.c: the residual add with the
 RMSNorm after it, the rotary embedding of queries and keys in place; relayrl.models.fused's SwiGLU), and a layer's
-q/k/v and gate/up projections are one few-row kernel call each (relayrl.engine.skinny.skinny_multi): a step at 16
-rows went from ~50 to ~46 ms as AVX2 (bench/engine_step_parts.py, docs/benchmarks.md). Logits then agree with the HF
+q/k/v and gate/up projections are one few-row kernel call each (relayrl.engine.skinny.skinny_multi), which
+saves the small ops' dispatch and one read of each layer's input per projection (bench/engine_step_parts.py,
+docs/benchmarks.md, "Rollout speed"). Logits then agree with the HF
 forward to float rounding (~1e-5), not bit for bit. RELAYRL_KERNELS_OFF=decode_ops keeps PyTorch's ops.
 
 Only where the HF forward is known to compute the same thing: Llama, Qwen2 and Mistral configs with SiLU MLPs, no

@@ -6,7 +6,7 @@ into it), so a decode step reads `k[:n, :, :length]` as a view, with no per-step
 reallocation. Sequences of different lengths share the batch; a boolean attention mask hides each
 slot's unused positions.
 
-The object is passed to the model as `past_key_values`; HF attention layers call `update()` with
+The object is passed to the model as `cache`; HF attention layers call `update()` with
 the new keys/values of the current forward and attend over what it returns. In a *fused* decode step
 (relayrl.engine.attention's C kernel) `update()` hands the new keys/values back untouched and the
 attention function calls `attend()`, which writes them into the slots and attends in one pass.

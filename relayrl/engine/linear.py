@@ -1,12 +1,11 @@
 """A CPU engine's float32 LM head through oneDNN, on machines where oneDNN is the faster library for it.
 
 Why: PyTorch computes an fp32 `F.linear` on the CPU with MKL's sgemm. For an LM head at a decode step's shape (a few
-dozen rows against a [vocab x hidden] matrix) MKL ran far below the machine's rate on an AMD EPYC (Zen 3, AVX2;
-docs/benchmarks.md, "Rollout speed"): 41-47 GFLOP/s for SmolLM2's head (64 x 576 x 49152) and 14 at 8 rows, against
-72-104 and 38 through oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the op PyTorch's own compiler emits
-for CPU linears) on the same plain weight tensor: no packed copy, so no extra memory and nothing to redo when the
-weights change. The layers' own projections stay on MKL: there the two libraries
-traded places from run to run (58-98 vs 76-80 GFLOP/s). Which library wins depends on the CPU, so a quick
+dozen rows against a [vocab x hidden] matrix) MKL can run far below the machine's rate on some CPUs, where
+oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the op PyTorch's own compiler emits for CPU linears) runs
+the same product much faster (docs/benchmarks.md, "Rollout speed"), on the same plain weight tensor: no packed copy,
+so no extra memory and nothing to redo when the weights change. The layers' own projections stay on MKL: there
+neither library wins reliably. Which library wins depends on the CPU, so a quick
 measurement at a head-like shape decides, once per machine (relayrl.common.hardware.measured), and checks the two
 agree.
 

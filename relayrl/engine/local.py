@@ -145,9 +145,9 @@ class LocalEngine:
     def round_in_fp32_weights(self, path: str) -> bool:
         """A bf16 engine on a folder stored in fp32 (a model relayrl trained) reads the weights again and rounds them
         stochastically, as weight sync does. Loaded rounded to nearest, a fine-tune's updates smaller than half a
-        bf16 step vanish and the engine evaluates or serves a model close to the one training started from
-        (measured: a reflection run's final model scored 51% pass@1 that way against 75% in the run's own last
-        evaluation, docs/benchmarks.md). Returns whether it did."""
+        bf16 step vanish and the engine evaluates or serves a model close to the one training started from, far
+        below what the run's own evaluations reported (docs/benchmarks.md, "A curriculum of planted wrong first
+        answers"). Returns whether it did."""
         bf16 = next(self.model.parameters()).dtype == torch.bfloat16
         if not bf16 or self.weights.rounding != "stochastic":
             return False
@@ -524,7 +524,7 @@ class LocalEngine:
         else:
             extra = {"relayrl_cache": self.cache} if self.cache.fused else {}
             logits = self.model(input_ids=torch.tensor(tokens, device=dev)[:, None], position_ids=positions[:, None],
-                                attention_mask=mask, past_key_values=self.cache, use_cache=True, **extra).logits[:, -1]
+                                attention_mask=mask, cache=self.cache, use_cache=True, **extra).logits[:, -1]
         if self.cache.fused and self.cache.attended != self.model.config.num_hidden_layers:
             raise RuntimeError(f"decode kernel ran for {self.cache.attended} of the model's layers")
         return logits

@@ -1,9 +1,9 @@
 """Prefill for LocalEngine: many prompts in one forward, and the start they share computed once.
 
 Why: a prefill is a forward over a prompt's tokens, so one prompt at a time its matmuls have as many rows as the
-prompt has tokens (~50 in the README job), where a CPU's fp32 GEMM runs far below its rate. SmolLM2-135M on a
-2-core AVX2 EPYC (Zen 3): 287 ms for one 49-token prompt against 151 ms per prompt for 8 in one forward and 118
-for 16. The README job's 128 evaluation prompts took 35 s to prefill one by one, 7 s now (bench/prefill.py).
+prompt has tokens (~50 in the README job), where a CPU's fp32 GEMM runs far below its rate; several prompts in one
+forward give it enough rows to approach it, so each prompt's share of the time falls as they are batched
+(bench/prefill.py; docs/benchmarks.md, "Prefill in batches, the shared start once").
 Prompts that arrive together also share their start (the system prompt and chat-template tokens: 20 of the README
 job's 49), which is computed once, in the first prompt's slot, and copied to the others' slots. The last such start
 is kept (`SharedStart`, one entry, ~1 MB at 135M) for prompts admitted later, one or two at a time as running
@@ -110,7 +110,7 @@ def _forward(model: torch.nn.Module, cache: SlotKVCache, rows: list[list[int]], 
     causal = torch.ones(width, start + width, dtype=torch.bool, device=dev).tril_(diagonal=start)
     hidden = model.get_decoder()(
         input_ids=ids, position_ids=torch.arange(start, start + width, device=dev)[None].expand(len(rows), -1),
-        attention_mask=causal[None, None].expand(len(rows), 1, -1, -1), past_key_values=cache,
+        attention_mask=causal[None, None].expand(len(rows), 1, -1, -1), cache=cache,
         use_cache=True).last_hidden_state
     if not logits:
         return None

@@ -6,7 +6,7 @@ Drawing u from a per-request generator makes a seeded request sample the same to
 requests share its batch, which keeps runs reproducible when the continuous batch changes shape. One number
 per row, instead of a noise value per vocabulary entry (the Gumbel-max trick), is what makes sampling cheap
 next to the forward: with 256 rows and a 49k vocabulary the Gumbel noise alone cost more than the rest of
-sampling (bench/rollout.py, docs/benchmarks.md).
+sampling (bench/rollout.py, docs/benchmarks.md, "Rollout speed").
 
 Devices: the arithmetic runs on the logits' device, but the uniforms are drawn on the CPU, from CPU generators,
 and moved there (one number per row). So a seeded request samples the same u on a CPU and on a GPU engine, and
@@ -80,9 +80,9 @@ def sample_tokens(
     The logprob is log_softmax(logits / T)[token] (T = 1 for greedy rows), i.e. before top-k/top-p, computed
     in fp32 as (logit - max) / T - log(sum(exp((logits - max) / T))). `work`, a float32 tensor on the logits'
     device of at least rows * vocab elements kept (and grown) by the caller, holds the probabilities: a fresh
-    50 MB tensor every decode step costs more in page faults than the arithmetic (measured 15 ms vs 8 ms at
-    256 x 49k). Which branches run is decided from `params` in Python, so a GPU step does not wait on the
-    device to learn them.
+    50 MB tensor (256 x 49k fp32) every decode step costs more in page faults than the arithmetic
+    (docs/benchmarks.md, "Rollout speed"). Which branches run is decided from `params` in Python, so a GPU step does not
+    wait on the device to learn them.
     """
     device = logits.device
     temp_list = [1.0 if p.greedy else p.temperature for p in params]

@@ -2,12 +2,12 @@
 
 Why: a decode step runs its linears on as many rows as sequences are running (64 at a GRPO batch's start, a handful
 in its tail), and the weights (SmolLM2-135M: 430 MB of fp32 layer weights) do not fit in any cache. PyTorch's fp32
-`F.linear` (MKL sgemm, oneDNN alike) read them at 5-6 GB/s on a 2-core AMD EPYC Zen 3 that reads 18 GB/s, so a step
-with 4 rows cost as much as one with 64 (docs/benchmarks.md, "Rollout speed"), and from 8 to 48 rows it ran at a
-fifth to a half of its own rate on large products. `kernels/skinny_linear.c` streams each weight row once at 1-4 rows
-and multiplies register tiles (12 accumulators) at 5-64 rows: over 30 layers' distinct weights on a Zen 4 as AVX2,
-1.24-1.29x the first version of this kernel at 8-32 rows and 1.5-2.0x MKL (fastest passes, bench/skinny_rows.py;
-at 48-64 rows its margin over MKL is small and unsteady, so the measured limit is usually 48 or less).
+`F.linear` (MKL sgemm, oneDNN alike) can read them well below the machine's memory bandwidth at so few rows, so a
+step with a handful of rows costs about as much as a full one, and mid-sized row counts run below the library's own
+rate on large products (docs/benchmarks.md, "Rollout speed"). `kernels/skinny_linear.c` streams each weight row once
+at 1-4 rows and multiplies register tiles (12 accumulators) at 5-64 rows, so the weights are read once per step at
+memory speed (bench/skinny_rows.py). As the rows approach 64 a GEMM library catches up and the kernel's margin
+becomes small and unsteady, which is why the limit is measured rather than fixed.
 
 Where it pays depends on the CPU, so a quick measurement on weights larger than the last-level cache decides up to
 how many rows the kernel is used, once per machine and kernel source (relayrl.common.hardware.measured); 0 turns it

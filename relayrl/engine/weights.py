@@ -75,8 +75,8 @@ class EngineWeights:
         already moved and rounded (on a side CUDA stream on a GPU), the others as they are: `write` then only
         copies within the device, so the engine pauses for a copy instead of the move and the rounding. Why: a
         GPU producer fed host fp32 copies by the dist transport did both with its engine paused; staged, the
-        writing was 0.33 s of 3.4 s of SmolLM2 loads over 15 updates on an H200 (docs/benchmarks.md, "Seventh
-        run": most of the rest was waiting for the engine to stop, LocalEngine._between_steps). Costs one copy of
+        write is a small part of a load, whose remaining time is mostly waiting for the engine to stop
+        (LocalEngine._between_steps; the seventh GPU run in docs/history.md). Costs one copy of
         the staged weights, in the engine's dtype, until the write; on a GPU without that much free memory (and
         256 MiB to spare) nothing is staged. Bit for bit what `write` alone would write: the same rounding seeds."""
         named = list(named_tensors)

@@ -1,4 +1,4 @@
-"""The environment protocol (seed 001's environment service): `reset(row)` and `step(assistant_text)`.
+"""The environment protocol: `reset(row)` and `step(assistant_text)`, the only two calls an agent makes.
 
 An environment is a class; the generic `EnvAgent` (relayrl/agents/env.py) makes one instance per episode with
 `agent.kwargs.env_kwargs`, so an instance may keep the episode's state in plain attributes. Its two methods may

@@ -5,7 +5,7 @@ last \\boxed{}, else the last number, compared by math-verify) and either ends t
 attempts) or replies with a feedback user turn. With the default rewards (1 right, 0 wrong) and EnvAgent's
 `reward: sum` with `discount: g`, a sample solved at turn T scores g^(T-1), which is ReflectionAgent's
 `discount_mode: final` without shaping; `reward: per_turn` gives every turn its reward-to-go, as
-ReflectionAgent's `discount_mode: per_turn` (set `wrong_reward: -1` for seed 001's shaping).
+ReflectionAgent's `discount_mode: per_turn` (set `wrong_reward: -1` for its -1/+1 shaping).
 
 Why this exists beside ReflectionAgent: it shows that the generic agent carries a multi-turn task whole, and
 it is the template for feedback environments of one's own (code that runs tests, a checker, a game).

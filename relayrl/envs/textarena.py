@@ -1,4 +1,4 @@
-"""TextArena's single-player games (`pip install 'relayrl[envs]'`) as relayrl environments, unchanged.
+"""TextArena's single-player games (pyproject.toml's `envs` extra) as relayrl environments, unchanged.
 
 ```yaml
 data:
@@ -34,12 +34,14 @@ from typing import Any
 
 import numpy as np
 
+from relayrl.common.utils import install_hint
+
 try:
     import textarena
     from textarena.core import GAME_ID, ObservationType
     from textarena.state import SinglePlayerState
 except ImportError as e:  # the envs extra is optional: say how to get it
-    raise ModuleNotFoundError(f"relayrl.envs.textarena needs TextArena: pip install 'relayrl[envs]' ({e})",
+    raise ModuleNotFoundError(f"relayrl.envs.textarena needs TextArena: {install_hint('envs')} ({e})",
                               name="textarena") from e
 
 Message = dict[str, Any]

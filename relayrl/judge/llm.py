@@ -152,7 +152,7 @@ class LLMJudge:
         return hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
 
     def _client(self) -> Any:
-        from openai import AsyncOpenAI  # the SDK's import costs ~0.5 s: paid by workers, not by `import relayrl`
+        from openai import AsyncOpenAI  # the SDK is slow to import: paid by workers, not by `import relayrl`
 
         return AsyncOpenAI(base_url=self.base_url, api_key=os.environ.get(self.api_key_env) or "EMPTY",
                            timeout=self.timeout, max_retries=self.retries)

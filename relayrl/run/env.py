@@ -2,8 +2,9 @@
 
 Agents, judges and engine calls are asyncio coroutines; the training loop is plain Python. The Env
 owns an event loop on a background thread and exposes `produce_batch()` as a blocking call, so the
-main loop reads like seed 002's pseudo-code while many trajectories run concurrently underneath.
-With an AsyncScheduler, `start_producer()` runs seed 002's `produce_loop` on that loop beside the
+main loop reads as a plain sequence (produce a batch, train, sync weights) while many trajectories run
+concurrently underneath. With an AsyncScheduler, `start_producer()` runs the scheduler's `produce_loop` on that
+loop beside the
 trainer, and `get_batch()` hands the trainer batches within the staleness bound.
 """
 
@@ -53,7 +54,7 @@ class Env:
 
     # ---- asynchronous production ---------------------------------------------------------------
     def start_producer(self, data_mgr: DataManager) -> None:
-        """Start seed 002's produce_loop beside the caller: rollouts keep going while it trains."""
+        """Start the scheduler's produce_loop beside the caller: rollouts keep going while it trains."""
         if not isinstance(self.scheduler, AsyncScheduler):
             raise TypeError("start_producer needs an AsyncScheduler (scheduler.mode=async)")
 

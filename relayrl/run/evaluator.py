@@ -1,6 +1,7 @@
 """`Evaluator` and batch metrics: what a set of finished samples says about the policy.
 
-The Evaluator does not generate; it scores a batch the Env produced (seed 002). pass@k uses the
+The Evaluator does not generate; it scores a batch the Env produced, so evaluation and training share one
+rollout path. pass@k uses the
 unbiased estimator 1 - C(n - c, k) / C(n, k) over n samples per prompt with c correct.
 """
 
@@ -93,7 +94,7 @@ def fresh_attempt_rate(batch: list[Sample], prefix: str) -> dict[str, float]:
     """What a fresh first attempt scores on the questions whose samples had to retry: over the samples that reached
     turn 2, the mean turn-1 success of the other samples of their group (same question). `recovered_at_turn_2`
     above it means the retry, with its failed attempt and the feedback in context, beats asking again; below it,
-    the context hurts (SmolLM2-135M's retries did, docs/benchmarks.md). Groups of one sample say nothing."""
+    the context hurts (docs/benchmarks.md, "Learning: the reflection agent"). Groups of one sample say nothing."""
     rates = []
     for g in groups_of([s for s in batch if "solved_turn" in s.metrics]):
         first = sum(int(s.metrics["solved_turn"]) == 1 for s in g)

@@ -125,8 +125,9 @@ def relayrl_server(model: str, log_path: Path, *, dtype: str = "bfloat16", max_b
     (created here) enables /update_weights_from_disk for folders under it. A non-loopback host without an
     API key is passed --insecure, as launched servers always listened so; set engine.api_key to close it."""
     port = free_port(host)
+    # no --log-level: the server logs at the run's level, RELAYRL_LOG_LEVEL (inherited)
     cmd = [sys.executable, "-m", "relayrl.cli", "serve", "--model", model, "--host", host, "--port", str(port),
-           "--dtype", dtype, "--max-batch-size", str(max_batch_size), "--seed", str(seed), "--log-level", "warning"]
+           "--dtype", dtype, "--max-batch-size", str(max_batch_size), "--seed", str(seed)]
     if max_seq_len:
         cmd += ["--max-seq-len", str(max_seq_len)]
     if max_tokens_in_flight:

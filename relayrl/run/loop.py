@@ -1,7 +1,7 @@
-"""The main training loops: short functions that compose the components (seed 002).
+"""The main training loops: short functions that compose the components.
 
 `train_colocated` is the whole synchronous algorithm: rollout, fit, relay weights, log, checkpoint.
-`train_async` is seed 002's separate loop: a producer keeps generating beside the trainer, which takes
+`train_async` decouples generation from training: a producer keeps generating beside the trainer, which takes
 batches within the staleness bound. Both start after `c.step`, the step a resumed run was checkpointed at.
 """
 
@@ -21,6 +21,7 @@ from relayrl.run.evaluator import rollout_metrics
 from relayrl.sample import Sample
 from relayrl.tracking.plot import PNG, plot_run
 from relayrl.tracking.progress import Progress, start_block
+from relayrl.tracking.trajectories import sample_rows
 from relayrl.trainer.fsdp import init_distributed, shutdown_distributed
 from relayrl.trainer.leader import follow, lead, stop_followers
 
@@ -221,6 +222,7 @@ def _evaluate(c: Components, step: int) -> dict[str, float]:
 
 def _log(c: Components, step: int, metrics: dict[str, float], bar: Progress, batch) -> None:
     c.logger.log(step, metrics)
+    c.logger.log_samples(step, sample_rows(batch, c.tokenizer, step, c.cfg.run.samples_per_step))
     tqdm.write(c.logger.table_row(step, metrics))
     for s in batch[: c.cfg.run.print_samples]:
         tqdm.write(f"  sample (reward {s.reward:.2f}): {s.response_text[:200]!r}")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from relayrl.common.net import free_port
+from relayrl.common.utils import install_hint
 from relayrl.config.schema import Config
 from relayrl.run.launcher import make_server
 
@@ -39,7 +40,7 @@ def _ray():
     try:
         import ray
     except ImportError:
-        raise ImportError("launcher=ray needs Ray: pip install 'ray>=2.40' (or relayrl[ray])") from None
+        raise ImportError(f"launcher=ray needs Ray: {install_hint('ray')}") from None
     return ray
 
 

@@ -1,4 +1,5 @@
-"""Separate placement: rollouts run in their own process beside the trainer (seed 002's main_separate).
+"""Separate placement: rollouts run in their own process beside the trainer, as AReaL's
+rollout workers do, so generation and training do not compete for one interpreter's GIL.
 
 The producer process owns the engines, agents, judge, prompts and an AsyncScheduler. Once built it says "ready"
 and produces from the trainer's "start" on (the training loop's clock starts then); it sends finished
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from relayrl.common import logs
 from relayrl.config import from_dict, to_dict
 from relayrl.config.schema import Config
 from relayrl.run.placement import ray_placement
@@ -94,8 +96,8 @@ class ProducerHandle:
     def start(self) -> None:
         """Wait until the producer has built its engines, then let it produce. Why wait here: the training loop's
         clock starts after this call, so a step's time is production and training, never the producer process
-        loading its model (a colocated run builds its engines before the loop too; bench/async_vs_sync.py measured
-        a 22 s first step on a GPU before this, 1.8 s the steps after)."""
+        loading its model (a colocated run builds its engines before the loop too), which would otherwise make the
+        first step look many times longer than the rest (bench/async_vs_sync.py)."""
         while not self._ready:
             self._pump(0.5)
         if not self._started:
@@ -171,6 +173,7 @@ class ProducerHandle:
 def producer_main(cfg_dict: dict, run_dir: str, transport: str, dist_address: str | None, build: Callable,
                   trainer_pid: int | None, to_trainer, from_trainer) -> None:
     """Entry point of the producer process (trainer_pid None: a Ray actor, whose life Ray ties to the trainer's)."""
+    logs.from_env()  # its engines' choices are logged here, at the run's level
     if trainer_pid is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         _exit_with(trainer_pid)

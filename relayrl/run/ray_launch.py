@@ -13,16 +13,20 @@ worker created when it dies, and launched servers and judge processes die with t
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
 import threading
 import time
 
+from relayrl.common import logs
 from relayrl.config import from_dict, to_dict
 from relayrl.config.schema import Config, RayConfig
 from relayrl.run.loop import train
 from relayrl.run.placement import RayPlacement, _Actor, _get, _ray, _remote, layout
+
+log = logging.getLogger(__name__)
 
 
 class TrainerWorker(_Actor):
@@ -31,6 +35,7 @@ class TrainerWorker(_Actor):
         if cfg.train.engine == "fsdp":  # what torchrun would set; each actor sees only its own GPU
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                               MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+        logs.from_env()  # after RANK: only rank 0 reports the choices
         with _interruptible(stop):
             return train(cfg)
 
@@ -94,14 +99,17 @@ def _connect(r: RayConfig) -> bool:
     ray = _ray()
     if ray.is_initialized():
         return False
+    level = logs.third_party_level(logs.resolve(None)).upper()  # Ray's "ray" logger sets its own level
     if r.address is None:
         # a private single-machine cluster, dashboard off. address="local": without it ray.init joins whichever
         # cluster `ray start` left running on this machine (or RAY_ADDRESS), and fails on num_cpus there
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(address="local", num_cpus=r.num_cpus, num_gpus=r.num_gpus, include_dashboard=False,
-                 log_to_driver=True)
+                 log_to_driver=True, logging_level=level)
+        log.info("launcher=ray: started a private Ray cluster on this machine (ray.address is not set)")
         return True
-    ray.init(address=r.address, log_to_driver=True)
+    ray.init(address=r.address, log_to_driver=True, logging_level=level)
+    log.info("launcher=ray: joined the Ray cluster at %s (ray.address)", r.address)
     return False
 
 

@@ -69,7 +69,7 @@ class RolloutSource(Protocol):
 
 @dataclass
 class InProcessRollouts:
-    """Engines, agents, judge and prompts in this process (seed 002's colocated and async-in-one-process modes)."""
+    """Engines, agents, judge and prompts in this process: colocated (sync) training, and async in one process."""
 
     cfg: Config
     rollout_ctl: RolloutController
@@ -135,9 +135,8 @@ class InProcessRollouts:
         self._release(weights=False)  # the KV cache idles until the next rollout: not held through a checkpoint
         # failed (raised or timed out: agent.timeout) and rejected samples are not in the eval means: counted here
         if failed := int(stats["rollout/failed"]):
-            # what fails is not a random subset (slow, long answers time out first, and they are mostly wrong):
-            # seen once on a CPU shared with a test suite, 524 failures and 83% over the 248 survivors, where the
-            # same evaluation on the idle machine had none and 32%
+            # what fails is not a random subset (slow, long answers time out first, and they are mostly wrong), so
+            # on a loaded machine the survivors' pass rate can be far above what the same evaluation gives idle
             logger.warning("eval: %d samples failed or timed out (agent.timeout=%s s); the pass rates are over the "
                            "%d that finished and lean toward fast answers", failed, self.cfg.agent.timeout,
                            int(metrics.get("eval/samples", 0)))

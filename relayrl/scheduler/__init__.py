@@ -1,4 +1,4 @@
-"""Schedulers: how many trajectories are in flight and when a batch is ready (seed 002).
+"""Schedulers: how many trajectories are in flight and when a batch is ready.
 
 `SyncScheduler` produces one batch at a time; `AsyncScheduler` keeps producing beside the trainer with
 bounded staleness.

@@ -1,4 +1,4 @@
-"""`SyncScheduler` (seed 002): start a batch of prompt groups, wait for them, fill the replay buffer.
+"""`SyncScheduler`: start a batch of prompt groups, wait for them, fill the replay buffer.
 
 Options: over-sampling (start more groups than the batch needs and keep the first that finish, which
 cuts the long tail; the rest are cancelled and their engine slots freed) and a group filter (e.g. drop

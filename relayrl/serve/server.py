@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import logging
 import signal
 import threading
 import time
@@ -43,6 +42,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from relayrl.common.hardware import resolve_dtype
+from relayrl.common.logs import third_party_level
 from relayrl.engine.base import GenOutput, SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.models import load_tokenizer, resolve_model_path
@@ -249,21 +249,14 @@ def _limits(engine: Any, max_batch_size: int, options: ServeOptions) -> ServerLi
         raise ServeRefused(str(e)) from None
 
 
-def _log_to_stderr(level: str) -> None:
-    """Internal errors are logged (with their request id and traceback) by relayrl.serve's logger."""
-    logger = logging.getLogger("relayrl.serve")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("relayrl serve: %(levelname)s %(message)s"))
-        logger.addHandler(handler)
-    logger.setLevel(level.upper())
-
-
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, dtype: str = "auto",
           max_batch_size: int = 64, max_seq_len: int | None = None, seed: int = 0, log_level: str = "info",
           options: ServeOptions | None = None) -> None:
     """Load `model` (a folder or an alias) and serve it until SIGTERM / SIGINT. Port 0 picks a free port
-    (the ready line tells which). ServeRefused when the options do not allow starting."""
+    (the ready line tells which). ServeRefused when the options do not allow starting. relayrl's own records
+    (internal errors, with their request id and traceback) go where the caller's logging sends them (the CLI:
+    relayrl.common.logs); uvicorn's follow `log_level` as any third-party library's do, so a request is not a
+    line of the log unless debugging."""
     options = options or ServeOptions()
     weights_root = check_options(host, options.api_key, options.insecure, options.weights_root)
     path = resolve_model_path(model)
@@ -276,8 +269,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, dtype: str 
     try:
         state = ServerState(engine, load_tokenizer(path), path, _limits(engine, max_batch_size, options),
                             options.api_key, weights_root)
-        _log_to_stderr(log_level)
-        config = uvicorn.Config(build_app(state, model), host=host, port=port, log_level=log_level, lifespan="on",
+        config = uvicorn.Config(build_app(state, model), host=host, port=port,
+                                log_level=third_party_level(log_level), lifespan="on",
                                 timeout_graceful_shutdown=5, server_header=False)
         RelayServer(config, state).run()
     finally:

@@ -25,7 +25,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from relayrl.common.utils import InputError
+from relayrl.common.utils import InputError, install_hint
 from relayrl.tools.builtin import Tool, ToolError
 
 if TYPE_CHECKING:  # the SDK is an optional extra (relayrl[agents]), imported where a server is used
@@ -42,7 +42,7 @@ def check_spec(spec: Any, key: str) -> dict[str, Any]:
     try:
         import mcp  # noqa: F401
     except ImportError:
-        raise InputError(f"{key}: MCP servers need the mcp package: pip install 'relayrl[agents]'") from None
+        raise InputError(f"{key}: MCP servers need the mcp package: {install_hint('agents')}") from None
     if not isinstance(spec, dict):
         raise InputError(f"{key}: an MCP server is a mapping with `command` (stdio) or `url` (HTTP), got {spec!r}")
     unknown = sorted(set(spec) - set(KEYS))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any
 
 from relayrl.common.utils import close_all
 from relayrl.config import to_dict
-from relayrl.config.trackers import DEFAULT_TRACKERS
+from relayrl.config.trackers import DEFAULT_TRACKERS, WandbConfig
 from relayrl.tracking.trackers import active_trackers, make_trackers
 
 # (metric key(s), column title, format) shown in the per-step console table; the first key present wins
@@ -33,11 +34,11 @@ class MetricsLogger:
     and formats the console table."""
 
     def __init__(self, run_dir: str | Path, trackers: Iterable[str] = DEFAULT_TRACKERS,
-                 config: dict[str, Any] | None = None, mlflow_uri: str = ""):
+                 config: dict[str, Any] | None = None, mlflow_uri: str = "", wandb: WandbConfig | None = None):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.names = active_trackers(trackers)
-        self.trackers = make_trackers(self.names, self.run_dir, mlflow_uri)
+        self.trackers = make_trackers(self.names, self.run_dir, mlflow_uri, wandb)
         if config is not None:
             for tracker in self.trackers:
                 tracker.log_config(config)
@@ -45,16 +46,30 @@ class MetricsLogger:
 
     @classmethod
     def for_run(cls, run_dir: str | Path, cfg: Any) -> MetricsLogger:
-        """The logger a run's config asks for (run.trackers, run.tensorboard, run.mlflow_uri), which records
-        the resolved config in each tracker."""
+        """The logger a run's config asks for (run.trackers, run.tensorboard, run.mlflow_uri, run.wandb), which
+        records the resolved config in each tracker. run.offline promises no network: wandb's auto mode is then
+        offline."""
         names = active_trackers(cfg.run.trackers, tensorboard=cfg.run.tensorboard)
-        return cls(run_dir, names, config=to_dict(cfg), mlflow_uri=cfg.run.mlflow_uri)
+        wandb = cfg.run.wandb
+        if cfg.run.offline and wandb.mode == "auto":
+            wandb = dataclasses.replace(wandb, mode="offline")
+        return cls(run_dir, names, config=to_dict(cfg), mlflow_uri=cfg.run.mlflow_uri, wandb=wandb)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """The same finite values at the same step to every tracker (NaN/inf and non-numbers are dropped)."""
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
         for tracker in self.trackers:
             tracker.log(step, clean)
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A few of the step's samples ({step, prompt, completion, reward} each) to every tracker; none: nothing."""
+        if rows:
+            for tracker in self.trackers:
+                tracker.log_samples(step, rows)
+
+    def outputs(self) -> list[str]:
+        """Where each tracker writes, as the start block shows it: `name (location)`."""
+        return [f"{name} ({tracker.location})" for name, tracker in zip(self.names, self.trackers, strict=True)]
 
     def table_row(self, step: int, metrics: dict[str, float]) -> str:
         """One fixed-width row of the step table (with the header every 20 rows)."""

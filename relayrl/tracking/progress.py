@@ -19,7 +19,6 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from relayrl.models.loading import resolve_model_path
-from relayrl.tracking.trackers import mlflow_uri_for
 
 # (metric key(s), label, format) in the per-step line, shown when present; the first key present wins
 LINE_FIELDS = [
@@ -28,9 +27,6 @@ LINE_FIELDS = [
     ("rollout/response_len_mean", "len", "{:.1f}"),
     (("train/kl_ref", "train/approx_kl_old"), "kl", "{:.4f}"),
 ]
-# tracker -> what it writes in the run folder (shown in the start block)
-TRACKER_OUTPUTS = {"jsonl": "metrics.jsonl", "tensorboard": "tensorboard/", "wandb": "wandb/, offline",
-                   "mlflow": "mlruns/"}
 
 
 def clock(seconds: float) -> str:
@@ -90,8 +86,6 @@ def start_block(c: Any) -> str:
     evals = f"eval {len(c.eval_data)} prompts x {cfg.eval.n}" if c.eval_data is not None else "no eval set"
     if c.eval_data is None and c.data is None and cfg.data.eval:  # a producer process holds both
         evals = "eval in the producer process"
-    names = c.logger.names if c.logger is not None else []
-    outs = [f"{n} ({mlflow_uri_for(c.run_dir, cfg.run.mlflow_uri)})" if n == "mlflow" and cfg.run.mlflow_uri
-            else f"{n} ({TRACKER_OUTPUTS[n]})" for n in names]
+    outs = c.logger.outputs() if c.logger is not None else []
     return "\n".join([f"model: {model}", f"data: {train}; {evals}; {cfg.run.steps} steps",
                       f"outputs: {c.run_dir} | trackers: {', '.join(outs)}"])

@@ -1,4 +1,4 @@
-"""Trajectory logs (seed 001): per policy version, a readable text file and a JSONL line per trajectory.
+"""Trajectory logs: per policy version, a readable text file and a JSONL line per trajectory.
 
 Layout: RUN_DIR/trajectories/<version_start>/samples.txt and .../monitor.jsonl. Each record is written
 with one O_APPEND write, so a crash can cut off at most the last record, never leave half of one in the
@@ -9,6 +9,7 @@ tokens the agent inserted (feedback, tool results).
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,17 @@ def render(rec: dict[str, Any], colour: bool = True) -> str:
     if rec.get("error"):
         body.append(c(RED, f"error: {rec['error']}"))
     return body[0] + "\n" + "".join(body[1:]) + "\n"
+
+
+def sample_rows(samples: list[Sample], tokenizer, step: int, n: int) -> list[dict[str, Any]]:
+    """`n` of a step's samples for the trackers (MetricsLogger.log_samples), spread over the batch: a batch is
+    grouped by prompt, so its first n would often be one prompt's group. Texts decoded as the trajectories are."""
+    if n <= 0 or not samples:
+        return []
+    decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
+    picked = samples[:: max(1, len(samples) // n)][:n]
+    return [{"step": step, "prompt": decode(s.prompt_ids), "completion": decode(s.response_ids),
+             "reward": None if s.reward is None else float(s.reward)} for s in picked]
 
 
 class TrajectoryLogger:

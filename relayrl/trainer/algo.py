@@ -54,9 +54,9 @@ def compute_advantages(rewards: torch.Tensor, group_ids: list[str], *, mean: str
     survivor (the TrainController drops such groups before this; this is the last line of defence).
 
     A group whose rewards are all equal gets advantages of exactly 0 under mean="group". Computed naively in
-    float32 they are not: eight rewards of 0.1 average to 0.1 plus a rounding error, which divided by
-    (std ~ 1e-8) + eps gave every sample -0.0074 (sixteen rewards of 1.1: -0.106), a spurious push on a group
-    that carries no signal. The statistics are computed in float64 and such groups set to 0 explicitly.
+    float32 they are not: eight rewards of 0.1 average to 0.1 plus a rounding error, and that error divided by
+    (std ~ 1e-8) + eps is no longer small, a spurious push on every sample of a group that carries no signal. The
+    statistics are computed in float64 and such groups set to 0 explicitly.
     """
     r = rewards.double()
     groups = group_index(group_ids)

@@ -26,7 +26,7 @@ _MATMULS = {torch.ops.aten.mm.default: 1, torch.ops.aten.addmm.default: 2, torch
 
 
 def checkpoint_kwargs(model: torch.nn.Module, saves: Saves) -> dict:
-    """Keyword arguments for torch.utils.checkpoint (via `gradient_checkpointing_enable`) that keep `saves`."""
+    """Keyword arguments for torch.utils.checkpoint (via `activation_checkpointing_enable`) that keep `saves`."""
     kwargs: dict = {"use_reentrant": False}
     if saves == "nothing":
         return kwargs

@@ -1,6 +1,6 @@
 """`TrainController`: fit(batch) = old logprobs, ref logprobs, values, advantages, then train.
 
-Each step of `fit` is also public (seed 002's low-level API), so a custom loop can reorder or
+Each step of `fit` is also public (the low-level API), so a custom loop can reorder or
 replace any of them. State between the steps lives in a `TrainBatch` (relayrl.trainer.packer).
 The controller owns what the algorithm needs beyond the policy engine: the PPO critic (built here when
 `algo.adv_estimator == "gae"`, so callers need not know about it) and the learning-rate schedule.

@@ -4,9 +4,9 @@ Why: autograd's embedding backward builds a dense [vocab x hidden] gradient for 
 batch's few hundred rows added) and then adds all of it into `weight.grad`. At SmolLM2-135M that is 113 MB zeroed and
 113 MB added per micro-batch, for at most a micro-batch's token count of rows that are not zero. On a CPU the zeroing
 is the costly part: where the trainer trims its heap between passes (with checkpointing) the block is fresh memory
-each time, so every page faults; profiled in the GRPO bench's fit as AVX2 (trims on), 103 ms per micro-batch of a
-22 s fit (docs/benchmarks.md). Here the backward adds the rows the batch used into `weight.grad` (allocated once per
-optimizer step) and hands autograd nothing for the weight.
+each time, so every page faults, at every micro-batch (docs/benchmarks.md, "Where a fit paged: the head's chunks,
+the embedding's gradient, the trims"). Here the backward adds the rows the batch used into `weight.grad` (allocated once
+per optimizer step) and hands autograd nothing for the weight.
 
 It applies under relayrl.trainer.logprobs.weight_grad_into_param, to the same weights its LM head writes into (a
 plain leaf, no gradient hooks, a single process): code that calls `torch.autograd.grad` or runs under FSDP/DDP gets

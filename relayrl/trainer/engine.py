@@ -56,8 +56,8 @@ class TrainEngine:
         self.gradient_checkpointing = checkpointing_on(gradient_checkpointing, self.floor_bytes,
                                                        device_memory_bytes(self.device))
         if self.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs=checkpoint_kwargs(model, checkpoint_saves))
+            self.model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs=checkpoint_kwargs(model, checkpoint_saves))
         # shared-prompt rows attend without their dense mask where the model runs SDPA and that pays off on this
         # device (relayrl.models.segments; on a GPU SDPA's fused kernels with the dense mask are faster)
         self.segments = install_attention(model) and segments_pay_off(self.device)
@@ -136,12 +136,12 @@ class TrainEngine:
         """Forward and backward of one micro-batch; gradients accumulate until `_clip_and_step`.
 
         With gradient checkpointing the heap is trimmed after the forward and after the backward (on the
-        CPU: glibc's malloc_trim). Their temporaries are 1-30 MB blocks, which glibc keeps in its heap once freed, and
-        micro-batches of varying lengths leave holes the next one cannot reuse, so resident memory crept up 0.2-0.5 GB
-        per micro-batch. Trimmed, the README job's training peak fell from 3.09 to 2.78 GB
-        (bench/train_memory_trace.py). The price is page faults: every block the next pass allocates is fresh memory;
-        on the Zen 4 as AVX2 an RMSNorm's forward and backward took 7.9 ms after a trim against 2.2 ms without, and a
-        fit of the GRPO bench's batch 21.5 s against 20.4 s. So the trims come with checkpointing, the setting that
+        CPU: glibc's malloc_trim). Their temporaries are blocks of one to tens of MB, which glibc keeps in its heap once
+        freed, and micro-batches of varying lengths leave holes the next one cannot reuse, so resident memory creeps
+        up micro-batch after micro-batch; trimmed, the training peak is lower (bench/train_memory_trace.py). The
+        price is page faults: every block the next pass allocates is fresh memory, so small ops slow down and a fit
+        takes somewhat longer (docs/benchmarks.md, "Where a fit paged: the head's chunks, the embedding's gradient,
+        the trims"). So the trims come with checkpointing, the setting that
         already trades time for memory; without it the fit keeps its heap."""
         trim = self.device.type == "cpu" and self.gradient_checkpointing  # a GPU's activations are not in the heap
         with weight_grad_into_param():  # loss.backward() below: the head may write weight.grad itself

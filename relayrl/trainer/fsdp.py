@@ -108,8 +108,8 @@ class FSDPEngine(TrainEngine):
                                                   floor // (self.world_size if device.type == "cuda" else 1),
                                                   device_memory_bytes(device))
         if gradient_checkpointing:  # before sharding, while the layers are plain modules
-            model.gradient_checkpointing_enable(**({} if checkpoint_saves == "nothing" else {
-                "gradient_checkpointing_kwargs": checkpoint_kwargs(model, checkpoint_saves)}))
+            model.activation_checkpointing_enable(**({} if checkpoint_saves == "nothing" else {
+                "activation_checkpointing_kwargs": checkpoint_kwargs(model, checkpoint_saves)}))
         model.to(device)
         self.root = _shard(model, mixed_precision)
         super().__init__(model, **kwargs)  # TrainEngine moves micro-batches to self.device, returns logprobs on CPU

@@ -46,9 +46,9 @@ def weight_grad_into_param():
 
     Why: autograd hands a leaf its gradient only when every use of it has sent one. A tied LM head's weight is
     also the input embedding, used first in forward and so reached last in backward: the head's whole
-    [vocab x hidden] gradient (113 MB at SmolLM2-135M) waited in autograd's buffer through the backward of every
-    layer, the step's peak: bench/scaling.py's 135M step peaked at 3.27 GB before, 3.15 GB after (1.47x the
-    16 bytes/param floor; docs/benchmarks.md)."""
+    [vocab x hidden] gradient (113 MB at SmolLM2-135M) would wait in autograd's buffer through the backward of
+    every layer, on top of the step's peak; written into the parameter at once, it never does (bench/scaling.py;
+    docs/benchmarks.md, "Scaling with model size")."""
     token = _INTO_GRAD.set(True)
     try:
         yield
@@ -103,10 +103,10 @@ def _block_cols(rows: int, vocab: int, width: int) -> int:
     """Vocabulary columns per block for `width` rows (forward and backward walk the same blocks): cache-sized, and
     never more logits than `rows` full rows hold (the chunk budget).
 
-    Why cache-sized: the block's product and the exps, sums and gradients that follow it reread it; at ~860 rows
-    a block of ~9.7k columns (33 MB, the chunk budget's) ran the head's forward product at 96-120 GFLOP/s in the
-    GRPO bench's fit as AVX2, 1k columns at 195, and the head's forward and backward took 1.07 s instead of 1.28
-    (floor at the matmul rate 1.02 s; docs/benchmarks.md)."""
+    Why cache-sized: the block's product and the exps, sums and gradients that follow it reread it, so a block
+    that spills out of the cache slows the product and everything after it, and the head's forward and backward
+    run closer to the matmul rate with cache-sized blocks (docs/benchmarks.md, "One-pass RMSNorm and SwiGLU,
+    cache-sized head blocks")."""
     width = max(1, width)
     return max(1, min(vocab, rows * vocab // width, max(BLOCK_COLS, BLOCK_LOGITS // width)))
 
@@ -117,9 +117,10 @@ def _forward(hidden, weight, targets, inv_t, rows, with_entropy):
 
     Walks the vocabulary in blocks of columns for up to FORWARD_ROWS rows at once, carrying each row's running
     max, sum of exp and (for the entropy) sum of exp * (logit - max) across blocks, as the backward walks it. Why not
-    chunks of `rows` full rows: at ~170 rows the [rows x hidden] @ [hidden x 49k] product ran at 105 GFLOP/s in the
-    GRPO bench's fit as AVX2, a block of 8k columns for 1k rows at 176; and each chunk's fresh 32 MB of logits and
-    exps page-faulted (where the trainer trims its heap), here two buffers serve every block."""
+    chunks of `rows` full rows: a few hundred rows against the whole [hidden x 49k] head make a product too wide
+    for the cache, slower than many rows against a block of columns (docs/benchmarks.md, "Where a fit paged"); and
+    each chunk's fresh logits and exps (tens of MB) page-faulted where the trainer trims its heap, while here two
+    buffers serve every block."""
     n = hidden.shape[0]
     logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
     lse_all = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -173,7 +174,7 @@ def _rows_forward(h, weight, targets, inv_t, cols, with_entropy, buf):
 
 def _autocast_once(weight: torch.Tensor, device: str) -> torch.Tensor:
     """The head's weight in the autocast dtype, cast once for all chunks: autocast would cast it again for each
-    chunk's matmul (a [vocab x hidden] copy per ~170 rows; 0.44 s of a README-job fit)."""
+    chunk's matmul (a [vocab x hidden] copy per chunk of rows, a noticeable share of a fit)."""
     if torch.is_autocast_enabled(device) and weight.dtype == torch.float32:
         return weight.to(torch.get_autocast_dtype(device))
     return weight
@@ -205,8 +206,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 def _backward(ctx, grad_logp, grad_entropy):
     """Recompute the logits one block of vocabulary columns at a time, for all rows: each block's weight
-    gradient is written once (row chunks would rewrite the whole [vocab x hidden] gradient per chunk, which at a
-    152k vocabulary cost 20x the rest of the head), and the rows' logsumexp saved by forward normalises it."""
+    gradient is written once (row chunks would rewrite the whole [vocab x hidden] gradient per chunk, a cost that
+    grows with the vocabulary and dominates the head at 152k); the rows' logsumexp saved by forward normalises it."""
     hidden, weight, targets, entropy, lse = ctx.saved_tensors
     ent = (entropy, grad_entropy) if ctx.entropy_grad and grad_entropy is not None else None
     grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) \

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -77,7 +78,9 @@ def wrap(model: torch.nn.Module, cfg) -> torch.nn.Module:
     check_targets(model, cfg.lora_target_modules)
     config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                         target_modules=targeted(model, cfg.lora_target_modules), bias="none")
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft (0.21 and before) reads the property transformers 5.23 renamed: not ours
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def adapter_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

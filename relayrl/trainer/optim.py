@@ -16,14 +16,14 @@ fp32 working copies stay a few MB. Storing the moments back needs care:
 bf16 weights (`model.train_dtype: bfloat16`, 8 bytes per parameter with their bf16 gradients and moments) always
 take this optimizer, whatever the moments' setting: torch's AdamW would store each update rounded to nearest, and an
 update at RL learning rates (~lr a step) is far below half a bf16 step of the weight (2^-9 of it), so almost no
-weight would move (measured on the tiny test model at lr 1e-6: 2% of the weights changed in a step). Here the step
-is computed in fp32 and the weight stored rounded stochastically, unbiased as the second moment is.
+weight would move (tests/unit/test_optim.py). Here the step is computed in fp32 and the weight stored rounded
+stochastically, unbiased as the second moment is.
 
 On the CPU the step runs in a small C kernel (`kernels/adamw_bf16.c`, built once per machine by
 relayrl.common.cbuild): one pass over each parameter instead of ~15 over fp32 slices, with the rounding noise
-hashed from (step, parameter, element) instead of drawn by torch.randint; 0.1 s instead of 2 s a step for
-SmolLM2-135M on 2 cores (bench/optim_step.py). Elsewhere (GPU, DTensor shards, no compiler, RELAYRL_KERNELS=0)
-the PyTorch slices below do the same arithmetic.
+hashed from (step, parameter, element) instead of drawn by torch.randint, which makes the step many times
+faster (bench/optim_step.py; docs/benchmarks.md, "The optimizer step: bf16-moment AdamW in C"). Elsewhere (GPU, DTensor
+shards, no compiler, RELAYRL_KERNELS=0) the PyTorch slices below do the same arithmetic.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def round_to_bf16_(dst: torch.Tensor, src: torch.Tensor, seed: int) -> None:
     the master weights in expectation from the first step (docs/benchmarks.md, "A bf16 engine that learns").
 
     A `src` on another device moves to `dst`'s first and is rounded there: host copies for a GPU engine (the dist
-    and disk transports) rounded on the host, by a producer's one torch thread, kept SmolLM2's engine paused
-    1.4-3.1 s per update on an H200 machine (docs/benchmarks.md, "Sixth run")."""
+    and disk transports) rounded on the host, by a producer's one torch thread, kept the engine paused for
+    seconds per update (docs/benchmarks.md, "On a GPU", the sixth run)."""
     if dst.shape != src.shape:
         raise ValueError(f"cannot round a tensor of shape {tuple(src.shape)} into one of {tuple(dst.shape)}")
     if src.device != dst.device:

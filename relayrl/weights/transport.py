@@ -105,10 +105,10 @@ class DistSender:
 
     `send` copies the tensors into buffers kept for the run (pinned host memory when they live on a GPU; the copies
     go on the current CUDA stream, so they see this step's update and not the next one's) and broadcasts from a
-    thread: the trainer's next step runs while the weights travel. On an H100 host the blocking broadcast of
-    SmolLM2-135M in fp32 cost 0.5-0.6 s of each ~1.8 s async step. One send is in flight at most, so versions
-    arrive in order; a failed send raises at the next `send` (or `wait`). The price is one host copy of the
-    weights in the wire dtype.
+    thread: the trainer's next step runs while the weights travel. A blocking broadcast of even a small model in
+    fp32 is a large share of a short async step on a GPU (docs/benchmarks.md, "On a GPU", the fourth and fifth runs).
+    One send is in flight at most, so versions arrive in order; a failed send raises at the next `send` (or `wait`). The
+    price is one host copy of the weights in the wire dtype.
 
     The group is a private one (`relayrl.weights.weight_group.WeightGroup`), never torch.distributed's default group:
     a sender's last message must not land in another group created later in the same process."""

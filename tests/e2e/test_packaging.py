@@ -163,7 +163,8 @@ def test_every_module_imports_without_the_extras(installed):
 def test_serve_without_its_extra_says_what_to_install(installed):
     out = _run([str(installed["venv"] / "bin" / "relayrl"), "serve", "--model", "smollm2"], cwd=installed["cwd"])
     assert out.returncode == 2
-    assert out.stderr.strip() == "relayrl serve: needs the uvicorn package: pip install 'relayrl[serve]'"
+    assert out.stderr.strip() == ("relayrl serve: needs the uvicorn package: pip install -e '.[serve]' in the relayrl "
+                                  "checkout")
 
 
 def test_installed_wheel_trains_a_tiny_model_without_extras(installed, tiny_path, tmp_path):

@@ -7,6 +7,7 @@ import time
 
 import pytest
 from bounds import bound
+from engines_for_tests import RecordingController
 from envs_for_tests import EchoEnv, ParityEnv
 
 from relayrl.agents.chat import continuation_ids
@@ -25,19 +26,6 @@ from relayrl.sample import NO_VERSION, Sample, Status
 from relayrl.scheduler.common import rejection_counts, run_group
 
 SAMPLING = SamplingParams(max_new_tokens=8, temperature=1.0)
-
-
-class RecordingController(RolloutController):
-    """A real RolloutController that also keeps every (input ids, output) pair it served, per trajectory."""
-
-    def __init__(self, engines):
-        super().__init__(engines)
-        self.calls: dict[str, list] = {}
-
-    async def generate(self, input_ids, params, rid=None):
-        out = await super().generate(input_ids, params, rid)
-        self.calls.setdefault(rid, []).append((list(input_ids), out))
-        return out
 
 
 @pytest.fixture(scope="module")

@@ -50,8 +50,10 @@ NOT_A_FUNCTION = 3
 
 @pytest.fixture(autouse=True)
 def hf_caches(tmp_path, monkeypatch):
-    """Both HF caches inside tmp_path (the user's are never read or written), map functions importable."""
+    """Both HF caches inside tmp_path (the user's are never read or written), offline (hub ids come from that
+    cache; downloads are tests/integration/test_hub_download.py's), map functions importable."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     (tmp_path / "maps").mkdir()
     (tmp_path / "maps" / "row_maps.py").write_text(MAPS)

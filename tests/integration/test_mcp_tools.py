@@ -6,6 +6,7 @@ before any model loads, and the ToolAgent end to end on a real tiny model callin
 import asyncio
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import time
@@ -137,7 +138,7 @@ def test_servers_that_do_not_start_are_refused(spec, why):
 def test_without_the_sdk_the_error_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "mcp", None)  # as where the `agents` extra is not installed
     with pytest.raises(InputError, match=r"^agent\.kwargs\.mcp_servers\[0\]: MCP servers need the mcp package: "
-                                         r"pip install 'relayrl\[agents\]'$"):
+                                         + re.escape("pip install -e '.[agents]' in the relayrl checkout") + "$"):
         _check_agent_kwargs(ToolAgent, {"mcp_servers": [{"command": "x"}]})
 
 

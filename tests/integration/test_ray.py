@@ -81,7 +81,7 @@ def test_colocated_on_ray_equals_local_run(tiny_path, local_run, cluster):
     """Without ray.address the run starts a private cluster, even with another one running on the machine."""
     out, data = local_run
     proc = run(args(tiny_path, data, out, "ray", launcher="ray"))
-    assert "Started a local Ray instance" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert "launcher=ray: started a private Ray cluster" in proc.stderr, proc.stderr[-3000:]
     assert "TrainerWorker" in proc.stdout + proc.stderr  # it really ran in an actor (Ray prefixes its lines)
     assert "final eval" in proc.stdout
     assert len(steps(out / "ray")) == 2 and steps(out / "ray") == steps(out / "local")

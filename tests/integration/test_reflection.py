@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from engines_for_tests import RecordingController
 
 from relayrl.agents.chat import continuation_ids, continuation_text
 from relayrl.agents.reflection import ReflectionAgent, shaped, turn_returns
@@ -20,19 +21,6 @@ from relayrl.sample import NO_VERSION, Sample
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
 from relayrl.trainer.packer import Packer
-
-
-class RecordingController(RolloutController):
-    """A real RolloutController that also keeps every (input ids, output) pair it served."""
-
-    def __init__(self, engines):
-        super().__init__(engines)
-        self.calls: dict[str, list] = {}
-
-    async def generate(self, input_ids, params, rid=None):
-        out = await super().generate(input_ids, params, rid)
-        self.calls.setdefault(rid, []).append((list(input_ids), out))
-        return out
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 from conftest import TESTS, write_sums
 
 from relayrl.cli import main
-from relayrl.common.utils import read_jsonl
+from relayrl.common.utils import install_hint, read_jsonl
 from relayrl.config import flatten
 from relayrl.config.schema import load_run_config
 from relayrl.config.trackers import PACKAGES
@@ -40,10 +40,10 @@ def expected() -> dict[int, dict[str, float]]:
 
 
 def needs(tracker: str):
-    """Skip (visibly) when the tracker's package is not installed: pip install relayrl[trackers]."""
+    """Skip (visibly) when the tracker's package is not installed (the trackers extra)."""
     module = PACKAGES[tracker]
     missing = module is not None and importlib.util.find_spec(module) is None
-    return pytest.mark.skipif(missing, reason=f"{module} is not installed (pip install relayrl[trackers])")
+    return pytest.mark.skipif(missing, reason=f"{module} is not installed ({install_hint('trackers')})")
 
 
 # ---- readers: each tracker's own way back to {step: {key: value}} and the config ------------------------------
@@ -67,16 +67,21 @@ def read_tensorboard(run_dir: Path) -> tuple[dict[int, dict[str, float]], str]:
     return out, config
 
 
-def read_wandb(run_dir: Path) -> tuple[dict[int, dict[str, float]], dict]:
-    """The offline run's .wandb transaction log, decoded by wandb's own reader (`wandb leet inspect --json`)."""
-    (log,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+def wandb_records(log: Path) -> list[dict]:
+    """An offline run's .wandb transaction log, decoded by wandb's own reader (`wandb leet inspect --json`)."""
     text = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)], check=True,
                           capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120).stdout
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def read_wandb(run_dir: Path) -> tuple[dict[int, dict[str, float]], dict]:
+    """The metrics (not the samples tables) and config of the run folder's one offline wandb run."""
+    (log,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     out: dict[int, dict[str, float]] = {}
     config: dict = {}
-    for record in map(json.loads, text.splitlines()):
+    for record in wandb_records(log):
         if record["type"] == "history":
-            item = {k: v for k, v in record["history"]["item"].items() if not k.startswith("_")}
+            item = {k: v for k, v in record["history"]["item"].items() if not k.startswith(("_", "samples."))}
             out.setdefault(int(record["history"]["step"].get("num", 0)), {}).update(item)
         elif record["type"] == "config":
             config |= record["config"]["update"]
@@ -130,12 +135,11 @@ def test_tensorboard_gets_the_same_rows(tmp_path):
 
 @needs("wandb")
 def test_wandb_offline_run_gets_the_same_rows(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "online")  # the tracker forces offline whatever the environment says
+    monkeypatch.setenv("WANDB_MODE", "offline")  # the user's mode is honoured (test_tracker_conventions.py)
     log_rows(tmp_path, ["wandb"])
     rows, config = read_wandb(tmp_path)
     assert rows == expected()
     assert config["algo"] == {"clip_low": 0.2, "preset": "grpo"} and config["run"]["steps"] == 2
-    assert os.environ["WANDB_MODE"] == "offline"
 
 
 @needs("mlflow")
@@ -158,7 +162,7 @@ def test_unknown_or_uninstalled_trackers_fail_at_config_load(tmp_path, monkeypat
     assert main([*base, "run.trackers=[wandb]"]) == 2
     err = capsys.readouterr().err
     assert ("config error: run.trackers: tracker 'wandb' needs the wandb package, which is not installed: "
-            "pip install relayrl[trackers]") in err and "Traceback" not in err
+            "pip install -e '.[trackers]' in the relayrl checkout") in err and "Traceback" not in err
     assert not (tmp_path / "runs").exists()  # before any model loaded or folder was made
     assert load_run_config(None, ["run.trackers=[jsonl]"]).run.trackers == ["jsonl"]
 
@@ -232,3 +236,35 @@ def test_cli_run_reaches_every_tracker(cli_run):
     if "wandb" in trackers:
         wb, wconfig = read_wandb(run_dir)
         assert wb == rows and wconfig["run"]["steps"] == 3
+
+
+def test_cli_run_sends_samples_to_every_tracker(cli_run):
+    """run.samples_per_step (default 4) rows of each step's batch: TensorBoard text, mlflow artifacts
+    samples/step_N.json and a wandb table per step, the same rows in each."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, run_dir, trackers = cli_run
+    ea = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    ea.Reload()
+    texts = {e.step: e.tensor_proto.string_val[0].decode() for e in ea.Tensors("samples/text_summary")}
+    assert sorted(texts) == [1, 2, 3] and texts[1].count("completion:") == 4 and "What is" in texts[1]
+    if "mlflow" in trackers:
+        from mlflow.tracking import MlflowClient
+
+        _, _, run = read_mlflow(run_dir)
+        client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+        names = [a.path for a in client.list_artifacts(run.info.run_id, "samples")]
+        assert names == [f"samples/step_{s:06d}.json" for s in (1, 2, 3)]
+        saved = json.loads(Path(client.download_artifacts(run.info.run_id, names[0], str(run_dir.parent))).read_text())
+        rows = saved["rows"]
+        assert saved["step"] == 1 and len(rows) == 4 and {r["step"] for r in rows} == {1}
+        assert all("What is" in r["prompt"] and isinstance(r["reward"], float) for r in rows)
+        questions = [re.search(r"What is \d+ \+ \d+\?", r["prompt"]).group() for r in rows]
+        assert [q for q in questions if q in texts[1]] == questions  # the same rows as TensorBoard's
+    if "wandb" in trackers:
+        (folder,) = (run_dir / "wandb").glob("offline-run-*")
+        tables = {int(p.name.split("_")[1]): json.loads(p.read_text())
+                  for p in (folder / "files" / "media" / "table").glob("samples_*.table.json")}
+        assert sorted(tables) == [1, 2, 3] and tables[1]["columns"] == ["step", "prompt", "completion", "reward"]
+        if "mlflow" in trackers:
+            assert tables[1]["data"] == [list(r.values()) for r in rows]

@@ -94,6 +94,7 @@ def _fake_cpu(monkeypatch, tmp_path, measurements: list[dict]) -> list[dict]:
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     queue, taken = list(measurements), []
     monkeypatch.setattr(hardware, "_measure", lambda: taken.append(queue.pop(0)) or dict(taken[-1]))
+    monkeypatch.setattr(hardware, "_uncached", {})
     hardware.bf16_support.cache_clear()
     return taken
 
@@ -121,6 +122,8 @@ def test_bf16_slower_than_fp32_on_an_amx_cpu_is_never_cached_and_the_flags_decid
     assert support.native and "not cached, going by the CPU flags" in support.reason
     assert "bf16 measured slower than fp32 on a CPU with avx512_bf16/amx_bf16" in support.reason
     assert not (tmp_path / "hardware.json").exists()
+    entry, why = hardware.probe(AMX)  # asked again in the same process (the doctor asks twice): no new tries
+    assert len(taken) == hardware.PROBE_ATTEMPTS and why is not None and entry["source"] == "measured now, not cached"
 
 
 def test_an_isa_switch_makes_slow_bf16_plausible(monkeypatch, tmp_path):
@@ -153,7 +156,7 @@ def test_a_measurement_taken_on_a_busy_machine_expires_and_versions_key_the_cach
     assert hardware._read_cache() == {"b": {"x": 2}}  # the expired one is not read
     model, flags = hardware._cpuinfo()
     before = hardware._cache_key(model, flags)
-    monkeypatch.setattr(hardware, "__version__", "99.0")
+    monkeypatch.setattr(hardware, "_relayrl_version", lambda: "99.0")
     assert hardware._cache_key(model, flags) != before  # another relayrl measures anew
 
 

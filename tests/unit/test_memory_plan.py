@@ -23,12 +23,12 @@ def test_auto_checkpointing_follows_the_floor_against_the_device_memory(tiny_pat
     model = load_model(tiny_path, dtype="float32")
     floor = 16 * sum(p.numel() for p in model.parameters())
     assert TrainEngine(model, gradient_checkpointing="auto").gradient_checkpointing is False  # tiny vs this RAM
-    assert not model.is_gradient_checkpointing
+    assert not model.is_activation_checkpointing
     # the same model on a device whose memory is 4x its floor (25%): tight, so checkpointing goes on
     monkeypatch.setattr(trainer_engine, "device_memory_bytes", lambda device: 4 * floor)
     model = load_model(tiny_path, dtype="float32")
     engine = TrainEngine(model, gradient_checkpointing="auto")
-    assert engine.gradient_checkpointing is True and model.is_gradient_checkpointing
+    assert engine.gradient_checkpointing is True and model.is_activation_checkpointing
     assert TrainEngine(load_model(tiny_path), gradient_checkpointing=False).gradient_checkpointing is False  # set wins
 
 
