@@ -7,7 +7,9 @@ another checkout, say) and measure that code under this checkout's commit.
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import inspect
 import json
 import math
 import os
@@ -15,8 +17,10 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,6 +61,33 @@ def machine_info() -> dict:
 def result_header(name: str) -> dict:
     return {"name": name, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "commit": git_commit(), "machine": machine_info(), "command": shlex.join([sys.executable, *sys.argv])}
+
+
+def dispatch(doc: str, commands: dict[str, Callable[[list[str]], object]]) -> None:
+    """Run the sub-command that sys.argv[1] names with the arguments after it; without one, or with --help, list the
+    sub-commands. A script groups the benches of one component so they share their code; each sub-command keeps
+    the options, JSON keys and default result file of the script it was."""
+    script, argv = Path(sys.argv[0]).name, sys.argv[1:]
+    if argv and argv[0] in commands:
+        commands[argv[0]](argv[1:])
+        return
+    if argv and argv[0] not in ("-h", "--help"):
+        sys.exit(f"error: {script}: no command {argv[0]!r}; the commands: {', '.join(commands)} (--help lists them)")
+    width = max(map(len, commands))
+    print(f"usage: {script} COMMAND [options]    ({script} COMMAND --help: that command's options)\n\n"
+          f"{inspect.cleandoc(doc).split(chr(10) * 2)[0]}\n\ncommands:")
+    for name, fn in commands.items():
+        summary = " ".join(inspect.cleandoc(fn.__doc__ or "").split("\n\n")[0].split())
+        print(f"  {name:<{width}}  {textwrap.shorten(summary, 116 - width, placeholder=' ...')}")
+    if not argv:
+        sys.exit(f"error: {script} needs a command, one of {', '.join(commands)}")
+
+
+def parser(command: str, doc: str | None) -> argparse.ArgumentParser:
+    """A sub-command's parser: its usage names the script and the sub-command, its description is the first
+    paragraph of the sub-command's docstring."""
+    return argparse.ArgumentParser(prog=f"{Path(sys.argv[0]).name} {command}",
+                                   description=inspect.cleandoc(doc or "").split("\n\n")[0])
 
 
 def kernel_builds(current, build, baseline_source: str | None) -> dict:

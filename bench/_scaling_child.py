@@ -101,8 +101,9 @@ def _build(spec: dict, tmp: str):
 
 
 def _count_saved_tensors(trainer) -> dict[str, int]:
-    """Wrap the trainer's micro-step to record the largest set of tensors autograd saves (bench/memory.py's
-    count), split into bf16 weight copies and the rest. Returns the dict the wrapper keeps up to date."""
+    """Wrap the trainer's micro-step to record the largest set of tensors autograd saves (counted as
+    `bench/memory.py parts` counts them), split into bf16 weight copies and the rest. Returns the dict the wrapper
+    keeps up to date."""
     import torch
 
     act = {"bytes": 0, "weight_copies": 0}

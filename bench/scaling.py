@@ -20,7 +20,7 @@ out below, no weights: random init, so nothing is downloaded). Each run is its o
 --steps steps run (default 2: the first allocates the optimizer state and warms the kernels, and memory keeps
 growing into the second); times are the last step's, the peak is the process's over all steps. The floor is
 16 bytes/param: fp32 weights + fp32 gradients + AdamW's two fp32 moments. Parts of the peak are counted from the
-objects (as bench/memory.py does); `activations` are the bytes autograd saves in the largest micro-batch (a
+objects (as `bench/memory.py parts` does); `activations` are the bytes autograd saves in the largest micro-batch (a
 saved-tensors hook), of which `autocast_weight_copies` are the bf16 casts of the weights that autocast makes and
 backward keeps; `unexplained_gb` is the peak minus what the training phase holds (allocator retention).
 

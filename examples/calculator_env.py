@@ -3,7 +3,7 @@ examples/calculator_tools.yaml.
 
 Why this task: SmolLM2-135M-Instruct adds and multiplies 1-digit numbers in its head (examples/arithmetic_grpo.yaml
 starts near 27%), but 3- and 4-digit products are out of its reach, so a tool that computes them exactly is what
-separates success from failure, and the comparison with and without the tool (bench/tool_learning.py) measures
+separates success from failure, and the comparison with and without the tool (bench/learning.py tool_learning) measures
 what learning to call it is worth.
 
 - `calculate` is the tool: an ordinary typed function with a Google-style docstring, which relayrl turns into the

@@ -164,7 +164,7 @@ def _serve(args: argparse.Namespace) -> int:
     options = ServeOptions(api_key=args.api_key, insecure=args.insecure, weights_root=args.weights_root,
                            max_n=args.max_n, max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
                            max_tokens_in_flight=args.max_tokens_in_flight, max_body_bytes=args.max_body_bytes,
-                           kv_dtype=args.kv_dtype)
+                           kv_dtype=args.kv_dtype, served_model_names=tuple(args.served_model_name or ()))
     try:
         serve(args.model, host=args.host, port=args.port, dtype=args.dtype, max_batch_size=args.max_batch_size,
               max_seq_len=args.max_seq_len, seed=args.seed, log_level=logs.resolve(args.log_level), options=options)
@@ -216,6 +216,9 @@ def _positive(text: str) -> int:
 
 def _serve_parser(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--model", required=True, help="model folder or alias (smollm2)")
+    sv.add_argument("--served-model-name", nargs="+", metavar="NAME", help="the names OpenAI requests may give as "
+                    "`model` (all listed in /v1/models; responses carry the first; any other name: 404). Default: "
+                    "the --model argument")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only; "
                     "any other address needs --api-key or --insecure)")
     sv.add_argument("--port", type=int, default=30000, help="port (0: any free port; the ready line says which)")

@@ -2,13 +2,15 @@
 # GPU check: on a machine with CUDA, run the GPU tests (pytest -m gpu: engine logprob parity, a train step, weight
 # sync, a colocated run, all on the tiny random model), the rollout and train-step benches on the GPU, one GRPO step
 # against TRL's GRPOTrainer on the GPU (where TRL is installed), a short
-# GSM8K GRPO run through the CLI on the GPU and the decode-step probes (bench/engine_step_parts.py with the engine's
-# CUDA graphs and without, bench/decode_profile.py with and without SDPA's cuDNN backend; the rollout bench has a
+# GSM8K GRPO run through the CLI on the GPU and the decode-step probes (`bench/engine.py engine_step_parts` with the
+# engine's CUDA graphs and without, `bench/engine.py decode_profile` with and without SDPA's cuDNN backend; the
+# rollout bench has a
 # graph-less LocalEngine side too) and, with real weights, time to accuracy sync vs async, writing
 # bench/results/gpu_*. Without CUDA it says so and exits 0, running nothing.
 # Nothing is downloaded: the tests build the tiny random model; the benches and the run use MODEL (default the
 # SmolLM2 folder scripts/setup.sh prepared; on a machine the weights can't reach, a folder of SmolLM2's shape and
-# tokenizer with random weights: bench/random_model.py); GSM8K comes from disk ($RELAYRL_GSM8K_DIR or the default).
+# tokenizer with random weights: `bench/train.py random_model`); GSM8K comes from disk ($RELAYRL_GSM8K_DIR or the
+# default).
 #
 #   bash scripts/gpu_check.sh            # PYTHON=path/to/python for another interpreter than .venv's, MODEL=folder
 set -euo pipefail
@@ -52,15 +54,17 @@ step tests 300 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider
 # where a decode step's time goes (relayrl's engine vs the bare model call), with the engine's CUDA graphs and without,
 # and the bare call with SDPA's cuDNN backend off (relayrl's setting) and on (torch's own choice): the checks of
 # relayrl.engine.decode_graphs and relayrl.common.device.avoid_cudnn_attention
-step engine_step_parts 200 "$PY" bench/engine_step_parts.py --model "$MODEL" --device cuda --prompts 4 --group 8 \
-    --out bench/results/gpu_engine_step_parts_4x8.json
-step engine_step_parts_eager 200 "$PY" bench/engine_step_parts.py --model "$MODEL" --device cuda --prompts 4 \
-    --group 8 --no-cuda-graphs --out bench/results/gpu_engine_step_parts_4x8_eager.json
-step decode_profile 120 bash -c "'$PY' bench/decode_profile.py '$MODEL' cuda > bench/results/gpu_decode_profile.txt \
-    && '$PY' bench/decode_profile.py '$MODEL' cuda --cudnn > bench/results/gpu_decode_profile_cudnn.txt"
-step rollout 400 "$PY" bench/rollout.py --device cuda --sides local,local_eager,hf --model "$MODEL" \
+step engine_step_parts 200 "$PY" bench/engine.py engine_step_parts --model "$MODEL" --device cuda --prompts 4 \
+    --group 8 --out bench/results/gpu_engine_step_parts_4x8.json
+step engine_step_parts_eager 200 "$PY" bench/engine.py engine_step_parts --model "$MODEL" --device cuda \
+    --prompts 4 --group 8 --no-cuda-graphs --out bench/results/gpu_engine_step_parts_4x8_eager.json
+step decode_profile 120 bash -c "'$PY' bench/engine.py decode_profile '$MODEL' cuda \
+    > bench/results/gpu_decode_profile.txt \
+    && '$PY' bench/engine.py decode_profile '$MODEL' cuda --cudnn > bench/results/gpu_decode_profile_cudnn.txt"
+step rollout 400 "$PY" bench/engine.py rollout --device cuda --sides local,local_eager,hf --model "$MODEL" \
     --out bench/results/gpu_rollout.json
-step train_step 300 "$PY" bench/train_step.py --device cuda --model "$MODEL" --out bench/results/gpu_train_step.json
+step train_step 300 "$PY" bench/train.py train_step --device cuda --model "$MODEL" \
+    --out bench/results/gpu_train_step.json
 # one GRPO step, relayrl vs TRL's GRPOTrainer (HF generate), both on the GPU: only where TRL is installed
 if "$PY" -c 'import trl' 2>/dev/null; then
     step grpo_step_vs_trl 400 "$PY" bench/grpo_step_vs_trl.py --device cuda --model "$MODEL" --steps 3 \
@@ -82,7 +86,8 @@ if [ "${TTA:-1}" = 1 ] && [ ! -f "$model_dir/RANDOM_WEIGHTS" ] && "$PY" -c 'impo
         --plot bench/results/gpu_time_to_accuracy.png --override run.device=cuda sampling.max_new_tokens=512 \
         engine.max_batch_size=256 scheduler.transport=dist
 else
-    echo "gpu_check: time_to_accuracy skipped (needs real weights, not bench/random_model.py's, and reasoning-gym)"
+    echo "gpu_check: time_to_accuracy skipped (needs real weights, not a bench/train.py random_model folder," \
+        "and reasoning-gym)"
 fi
 if [ ${#failed[@]} -gt 0 ]; then echo "gpu_check: FAILED: ${failed[*]}"; exit 1; fi
 echo "gpu_check: all passed; results in bench/results/gpu_*"

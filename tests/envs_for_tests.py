@@ -91,3 +91,22 @@ class NoArgStepEnv:
 
     def step(self) -> tuple[list, float, bool]:
         return [], 0.0, True
+
+
+class ClosingEnv(ParityEnv):
+    """ParityEnv with the protocol's optional close(): records each call in `closed` (class-wide, the test reads
+    it); with fail_close=True close raises."""
+
+    closed: list[str] = []
+
+    def __init__(self, fail_close: bool = False):
+        self.fail_close = fail_close
+
+    def reset(self, row: dict[str, Any]) -> None:
+        super().reset(row)
+        self.question = row["question"]
+
+    def close(self) -> None:
+        ClosingEnv.closed.append(self.question)
+        if self.fail_close:
+            raise OSError("the game server is gone")

@@ -20,22 +20,25 @@ assistant turn's text, as ToolAgent does): an environment that only plays the ot
 
 An environment that raises, outlives `env_timeout` (seconds per call) or returns something malformed costs the
 episode: the sample is FAILED (counted in rollout/failed, never trained on) and its error names the class.
+An environment with a `close()` method has it called after every episode, played out or failed.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 from relayrl.agents.base import Agent
 from relayrl.agents.chat import continuation_ids, end_of_turn_id
 from relayrl.agents.reflection import turn_returns
 from relayrl.common.utils import InputError
-from relayrl.envs.base import EnvError, Message, as_messages, as_step, call_env, resolve_env, where
+from relayrl.envs.base import EnvError, Message, as_messages, as_step, call_env, has_close, resolve_env, where
 from relayrl.judge import REJECTED_PREFIX
 from relayrl.sample import Sample, Status
 
 REWARD_MODES = ("sum", "last", "per_turn")
+logger = logging.getLogger(__name__)
 
 
 class EnvAgent(Agent):
@@ -48,6 +51,7 @@ class EnvAgent(Agent):
                                reward=reward, discount=discount))
         self.env_cls = resolve_env(env, self.env_kwargs)
         self.env_name, self.short = where(self.env_cls), self.env_cls.__qualname__  # errors: "MyEnv.step raised ..."
+        self.closes = has_close(self.env_cls)
         self.max_turns, self.env_timeout, self.reward_mode, self.discount = max_turns, env_timeout, reward, discount
         self.max_total_tokens = max_total_tokens
         self.eot = end_of_turn_id(tokenizer)
@@ -89,6 +93,13 @@ class EnvAgent(Agent):
     async def _episode(self, sample: Sample) -> tuple[list[float | None], bool]:
         """Play one episode into `sample`: (each turn's reward, whether the environment ended it)."""
         env = await self._call(functools.partial(self.env_cls, **self.env_kwargs), (), "__init__")
+        try:
+            return await self._play(env, sample)
+        finally:
+            if self.closes:
+                await self._close(env, sample)
+
+    async def _play(self, env: Any, sample: Sample) -> tuple[list[float | None], bool]:
         first = as_messages(await self._call(env.reset, (sample.data,), "reset"), f"{self.short}.reset")
         if first:
             sample.prompt_ids = self._ids(first, opening=True)
@@ -108,6 +119,15 @@ class EnvAgent(Agent):
                 sample.append_context([self.eot])
             sample.append_context(ids)
         return rewards, False
+
+    async def _close(self, env: Any, sample: Sample) -> None:
+        """The environment's close(), after every episode, played out or failed: it frees what the episode held
+        (a game, a browser, a container). Its failure is logged and counted; the episode's data stands."""
+        try:
+            await self._call(env.close, (), "close")
+        except EnvError as e:
+            logger.warning("environment %s: %s", self.env_name, e)
+            sample.metrics["env_close_failed"] = 1.0
 
     async def _call(self, fn, args: tuple, name: str) -> Any:
         return await call_env(fn, args, self.env_timeout, f"{self.short}.{name}")

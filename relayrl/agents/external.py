@@ -48,7 +48,8 @@ class ExternalAgent(Agent):
                  timeout: float = 300.0, max_calls: int = 32, max_tokens: int | None = None,
                  env: dict[str, str] | None = None, cwd: str | None = None):
         super().__init__(rollout_ctl, tokenizer, sampling, judge)
-        self.check_kwargs(dict(command=command, timeout=timeout, max_calls=max_calls, max_tokens=max_tokens))
+        # this class's check (a subclass's own check_kwargs reads the subclass's options)
+        ExternalAgent.check_kwargs(dict(command=command, timeout=timeout, max_calls=max_calls, max_tokens=max_tokens))
         self.command = shlex.split(command) if isinstance(command, str) else [str(c) for c in command]
         self.timeout, self.max_calls, self.env, self.cwd = timeout, max_calls, dict(env or {}), cwd
         self.max_tokens = max_tokens if max_tokens is not None else max_calls * sampling.max_new_tokens

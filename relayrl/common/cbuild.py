@@ -120,7 +120,7 @@ def load(source: Path, *, signatures: dict[str, tuple[list, object]], fallback: 
     """`source` built (build_library) and loaded, each function in `signatures` ({name: (argtypes, restype)})
     declared; None when the kernel is switched off (kernels_enabled by the source's stem) or cannot be built, which
     is logged with `fallback`, the path the caller takes instead. Callers cache the result (functools.cache).
-    `cflags` other than CFLAGS are for benches comparing builds (bench/kernel_math.py)."""
+    `cflags` other than CFLAGS are for benches comparing builds (bench/kernels.py kernel_math)."""
     if not kernels_enabled(source.stem):
         return None
     try:

@@ -70,7 +70,7 @@ def avoid_cudnn_attention(device: torch.device) -> None:
     Why: cuDNN builds an execution plan per input shape, and relayrl's shapes change at every call: a decode step
     grows the context by one token, packed training changes the rows of every micro-batch, so the planning is
     paid at every attention call and a small model's decode step becomes bound by host time spent planning, not by
-    the GPU (docs/benchmarks.md, "On a GPU", the first and second runs; bench/decode_profile.py). The switch is
+    the GPU (docs/benchmarks.md, "On a GPU", the first and second runs; bench/engine.py decode_profile). The switch is
     process-wide (torch has no per-thread one), set by the engine and the trainer when their model is on a GPU; a
     program that wants cuDNN back calls torch.backends.cuda.enable_cudnn_sdp(True).
     """

@@ -323,7 +323,7 @@ class _MallInfo2(ctypes.Structure):
 def heap_gb() -> dict[str, float]:
     """glibc's own account of its heap, in GB: bytes in use, free inside the heap, and blocks mapped on their
     own ({} off glibc or before 2.33). A heap in use that climbs while live tensors stay flat is memory held
-    outside tensors: how the bf16 kernel caches were found (`bound_onednn_caches`, bench/step_memory.py)."""
+    outside tensors: how the bf16 kernel caches were found (`bound_onednn_caches`, bench/memory.py step_memory)."""
     libc = _glibc()
     if libc is None or not hasattr(libc, "mallinfo2"):
         return {}

@@ -36,8 +36,9 @@ _MAX_G, _MAX_D = 16, 256  # the kernel's stack buffers (kernels/decode_attention
 
 
 def build(source: Path = _SOURCE, fallback: str = "LocalEngine uses PyTorch SDPA") -> ctypes.CDLL | None:
-    """`source` (this kernel, or another version of its file: bench/decode_attention.py) built by relayrl.common.cbuild
-    and loaded with every variant's signature; None (logged with `fallback`) when it cannot be built or is off."""
+    """`source` (this kernel, or another version of its file: bench/kernels.py decode_attention) built by
+    relayrl.common.cbuild and loaded with every variant's signature; None (logged with `fallback`) when it cannot be
+    built or is off."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     args = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ctypes.c_float,
             ptr, ctypes.c_int]

@@ -17,6 +17,11 @@ class SamplingParams:
 
     Returned logprobs are those of the temperature-scaled distribution *before* top-k/top-p
     truncation, which is what the trainer recomputes (log_softmax(logits / temperature)).
+
+    `stop_strings`: generation ends at the first token after which the generated text contains one of them
+    (relayrl.engine.stops). The engine still returns every token it sampled, the one that completed the stop
+    string included, with its logprob, so training data stays exact; cutting the text before the stop string
+    (OpenAI's semantics) is the text's consumer's business (relayrl.engine.stops.cut_at_stop).
     """
 
     max_new_tokens: int = 128
@@ -26,8 +31,17 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # in addition to the engine's EOS ids
     ignore_eos: bool = False
     seed: int | None = None  # per-request seed: same seed, same tokens, whatever the batch around it
+    stop_strings: tuple[str, ...] = ()  # text that ends generation (see above)
+    # alternatives to return per generated token: the most likely tokens of the same distribution the sampled
+    # token's logprob is taken from (so it is among them, with the same value, when it ranks that high); 0 = none
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop_strings, str):  # a bare string would be read as one stop per character
+            raise ValueError(f"stop_strings must be a tuple of strings, got the string {self.stop_strings!r}")
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))  # a list is hashable once a tuple
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -36,6 +50,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -49,9 +65,13 @@ class GenOutput:
     output_ids: list[int]
     logprobs: list[float]
     versions: list[int]  # policy version that sampled each token
-    finish_reason: str  # "stop" (EOS / stop token, included in output_ids), "length", "abort"
+    finish_reason: str  # "stop" (EOS / stop token / stop string, included in output_ids), "length", "abort"
     prompt_len: int
     meta: dict = field(default_factory=dict)
+    stop_string: str | None = None  # the stop string that ended it (finish_reason "stop"), if one did
+    # per output token, its SamplingParams.top_logprobs most likely (token id, logprob), most likely first; None
+    # when none were asked for
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @runtime_checkable

@@ -9,7 +9,7 @@ speed"), its logits the same bit for bit with PyTorch's ops between the linears.
 Between the linears, fp32 steps run C instead of PyTorch's ops (kernels/decode_ops.c: the residual add with the
 RMSNorm after it, the rotary embedding of queries and keys in place; relayrl.models.fused's SwiGLU), and a layer's
 q/k/v and gate/up projections are one few-row kernel call each (relayrl.engine.skinny.skinny_multi), which
-saves the small ops' dispatch and one read of each layer's input per projection (bench/engine_step_parts.py,
+saves the small ops' dispatch and one read of each layer's input per projection (bench/engine.py engine_step_parts,
 docs/benchmarks.md, "Rollout speed"). Logits then agree with the HF
 forward to float rounding (~1e-5), not bit for bit. RELAYRL_KERNELS_OFF=decode_ops keeps PyTorch's ops.
 
@@ -45,7 +45,7 @@ def why_not(model: torch.nn.Module) -> str | None:
     cfg = model.config
     if cfg.model_type not in _TYPES:
         return f"model type {cfg.model_type!r} (written out for {', '.join(_TYPES)})"
-    rope = getattr(cfg, "rope_scaling", None) or {}
+    rope = cfg.rope_parameters or {}  # transformers 5 folds a config.json's legacy rope_scaling into it
     if rope.get("rope_type", rope.get("type")) not in _STATIC_ROPE:
         return f"rotary scaling {rope!r} changes with the length"
     if getattr(cfg, "hidden_act", "silu") != "silu":

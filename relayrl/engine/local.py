@@ -53,7 +53,9 @@ from relayrl.engine.decode_graphs import StaticDecode
 from relayrl.engine.kv_cache import SlotKVCache
 from relayrl.engine.prefill import SharedStart, prefill
 from relayrl.engine.sampling import sample_tokens
+from relayrl.engine.scoring import Scored, score_forward
 from relayrl.engine.sequence import Seq, resolve
+from relayrl.engine.stops import Decode, matched_stop
 from relayrl.engine.weights import EngineWeights, stored_in_float32
 from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path
 
@@ -71,7 +73,8 @@ class LocalEngine:
                  prefix_cache_size: int = 64, kv_on_update: str = "recompute", attention: str = "auto",
                  owns_weights: bool = True, kv_cache_bytes: int | None = None, weight_rounding: str = "stochastic",
                  cuda_graphs: bool = True, linear: str = "auto", prefill_tokens: int = 2048,
-                 skinny_rows: int | None = None, kv_dtype: str = "auto", stage_weights: bool = True):
+                 skinny_rows: int | None = None, kv_dtype: str = "auto", stage_weights: bool = True,
+                 decode: Decode | None = None):
         if kv_on_update not in ("recompute", "keep"):
             raise ValueError(f"kv_on_update must be 'recompute' or 'keep', got {kv_on_update!r}")
         if attention not in ("auto", "kernel", "sdpa"):
@@ -83,6 +86,8 @@ class LocalEngine:
         cfg = model.config
         self.model = model.eval()
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        # the tokenizer's decode, for stop strings (relayrl.engine.stops); only this engine's worker calls it
+        self.decode = decode
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len or int(getattr(cfg, "max_position_embeddings", 4096))
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -110,6 +115,7 @@ class LocalEngine:
         self._parked: OrderedDict[str, tuple[list[int], list[torch.Tensor]]] = OrderedDict()
         self.prefix_cache_size = prefix_cache_size
         self._waiting: deque[Seq] = deque()
+        self._scores: deque[tuple[list[int], int, float, concurrent.futures.Future]] = deque()  # submit_score's
         self._active: list[Seq] = []  # index = KV slot
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()  # held by the worker for each step, by others via _between_steps
@@ -121,7 +127,7 @@ class LocalEngine:
         self._version = 0
         self._thread: threading.Thread | None = None
         self.stats = {"generated_tokens": 0, "prefill_tokens": 0, "prefills": 0, "steps": 0, "decode_rows": 0,
-                      "busy_s": 0.0, "reused_tokens": 0, "aborted": 0}
+                      "busy_s": 0.0, "reused_tokens": 0, "aborted": 0, "scored_tokens": 0}
         self._static: StaticDecode | None = None
         self.direct = False  # fused decode steps skip the HF module tree (relayrl.engine.direct; set by _use_kernel)
         if attention != "sdpa":
@@ -138,7 +144,9 @@ class LocalEngine:
                         **kwargs) -> LocalEngine:
         """`device`: auto, cpu, cuda or cuda:N (relayrl.common.device.resolve_device)."""
         model = load_model(path, dtype=dtype, device=device)
-        engine = cls(model, eos_token_ids=eos_token_ids(load_tokenizer(path), path), **kwargs)
+        tok = load_tokenizer(path)  # the engine's own: its worker decodes with it while servers tokenize with theirs
+        engine = cls(model, eos_token_ids=eos_token_ids(tok, path),
+                     decode=lambda ids: tok.decode(ids, skip_special_tokens=True), **kwargs)
         engine.round_in_fp32_weights(path)
         return engine
 
@@ -172,6 +180,8 @@ class LocalEngine:
         """Queue one generation; the future resolves to a GenOutput. `rid` names the trajectory (KV reuse, abort)."""
         if not input_ids:
             raise ValueError("input_ids is empty")
+        if params.stop_strings and self.decode is None:
+            raise ValueError("stop_strings need the tokenizer's decode: build the LocalEngine with decode=...")
         if len(input_ids) >= self.max_seq_len:
             raise ValueError(f"prompt of {len(input_ids)} tokens does not fit max_seq_len={self.max_seq_len}")
         kv = self._kv_len(len(input_ids), params.max_new_tokens) * self.cache.bytes_per_token
@@ -193,6 +203,32 @@ class LocalEngine:
     async def agenerate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> GenOutput:
         """Generate; cancelling the awaiting task frees the request's slot at the next step."""
         return await asyncio.wrap_future(self.submit(input_ids, params, rid))
+
+    def submit_score(self, input_ids: list[int], top_k: int = 0, temperature: float = 1.0) -> concurrent.futures.Future:
+        """Queue the scoring of `input_ids` under the current weights; the future resolves to (logprobs, alternatives):
+        for each token after the first, log_softmax(logits / temperature)[token] given the tokens before it, and the
+        top_k most likely (token, logprob) there. What prompt logprobs report (OpenAI's echo, SGLang's
+        input_token_logprobs). The worker runs it between two steps as one plain forward (decoder, then the LM head
+        in fp32, as the trainer computes logprobs), so it never races a decode step or a weight update and does not
+        depend on what the KV cache holds (shared or parked prefixes, a narrower cache dtype)."""
+        if not input_ids:
+            raise ValueError("input_ids is empty")
+        if len(input_ids) > self.max_seq_len:
+            raise ValueError(f"{len(input_ids)} tokens do not fit max_seq_len={self.max_seq_len}")
+        if top_k < 0 or not temperature > 0:
+            raise ValueError(f"top_k must be >= 0 and temperature > 0, got {top_k} and {temperature}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("LocalEngine is closed")
+            self._scores.append((list(input_ids), top_k, temperature, future))
+            self._ensure_thread()
+            self._cond.notify()
+        return future
+
+    def score(self, input_ids: list[int], top_k: int = 0, temperature: float = 1.0) -> Scored:
+        """Blocking submit_score."""
+        return self.submit_score(input_ids, top_k, temperature).result()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenOutput]:
         """Blocking batch generation (convenience for scripts and tests)."""
@@ -322,10 +358,11 @@ class LocalEngine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        for seq in list(self._waiting) + self._active:
-            if not seq.future.done():
-                seq.future.set_exception(RuntimeError("LocalEngine closed"))
+        for future in [seq.future for seq in list(self._waiting) + self._active] + [q[-1] for q in self._scores]:
+            if not future.done():
+                future.set_exception(RuntimeError("LocalEngine closed"))
         self._waiting.clear()
+        self._scores.clear()
         self._active.clear()
 
     @property
@@ -384,14 +421,16 @@ class LocalEngine:
             with self._cond:
                 ahead = self._arrived  # callers waiting now go before this step; later ones wait for it
                 while not self._closed and (self._paused or self._served < ahead
-                                            or not (self._waiting or self._active)):
+                                            or not (self._waiting or self._active or self._scores)):
                     self._cond.wait()
                 if self._closed:
                     return
                 new = self._take_admissible()
+                scores = self._take_scores()
             with self._step_lock, torch.inference_mode():  # the worker's own: the others use _between_steps
                 t0 = time.perf_counter()
                 try:
+                    self._run_scores(scores)
                     self._drop_cancelled()
                     self._refill()
                     self._admit([q for q in new if not q.future.cancelled()])
@@ -420,6 +459,25 @@ class LocalEngine:
             new.append(self._waiting.popleft())
             used, kv_len = used + cost, max(kv_len, head_len)
         return new
+
+    def _take_scores(self) -> list[tuple[list[int], int, float, concurrent.futures.Future]]:
+        """Queued scorings for this step (called under _cond): up to prefill_tokens tokens, at least one, so that a
+        stream of them delays each decode step by about one prefill."""
+        taken, tokens = [], 0
+        while self._scores and (not taken or tokens + len(self._scores[0][0]) <= self.prefill_tokens):
+            taken.append(self._scores.popleft())
+            tokens += len(taken[-1][0])
+        return taken
+
+    def _run_scores(self, scores: list[tuple[list[int], int, float, concurrent.futures.Future]]) -> None:
+        for ids, top_k, temperature, future in scores:
+            if not future.set_running_or_notify_cancel():  # the caller gave up
+                continue
+            try:
+                future.set_result(score_forward(self.model, ids, top_k, temperature))
+                self.stats["scored_tokens"] += len(ids)
+            except Exception as e:  # a failed scoring fails its caller, not the engine
+                future.set_exception(e)
 
     def _kv_len(self, prompt_len: int, max_new_tokens: int) -> int:
         """The cache length a request needs (what `_admit` grows the cache to)."""
@@ -542,16 +600,22 @@ class LocalEngine:
     def _sample_and_append(self, seqs: list[Seq], logits: torch.Tensor) -> None:
         if self._sample_work.numel() < logits.numel():
             self._sample_work = torch.empty(logits.numel(), device=self.device)
-        tokens, logprobs = sample_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                         self._generator, self._sample_work)
-        for seq, tok, lp in zip(seqs, tokens, logprobs):
+        tokens, logprobs, alternatives = sample_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                                                       self._generator, self._sample_work)
+        for i, (seq, tok, lp) in enumerate(zip(seqs, tokens, logprobs)):
             seq.out_ids.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(self._version)
+            if alternatives is not None and seq.params.top_logprobs:
+                seq.top_logprobs = seq.top_logprobs or []
+                seq.top_logprobs.append(alternatives[i])
         self.stats["generated_tokens"] += len(seqs)
 
     def _finish_reason(self, seq: Seq) -> str | None:
         if seq.out_ids[-1] in seq.stop_ids:
+            return "stop"
+        if seq.params.stop_strings and (hit := matched_stop(seq.out_ids, seq.params.stop_strings, self.decode)):
+            seq.stop_string = hit
             return "stop"
         if len(seq.out_ids) >= seq.params.max_new_tokens or seq.kv_len + 1 >= self.max_seq_len:
             return "length"

@@ -3,7 +3,7 @@
 Why: a prefill is a forward over a prompt's tokens, so one prompt at a time its matmuls have as many rows as the
 prompt has tokens (~50 in the README job), where a CPU's fp32 GEMM runs far below its rate; several prompts in one
 forward give it enough rows to approach it, so each prompt's share of the time falls as they are batched
-(bench/prefill.py; docs/benchmarks.md, "Prefill in batches, the shared start once").
+(bench/engine.py prefill; docs/benchmarks.md, "Prefill in batches, the shared start once").
 Prompts that arrive together also share their start (the system prompt and chat-template tokens: 20 of the README
 job's 49), which is computed once, in the first prompt's slot, and copied to the others' slots. The last such start
 is kept (`SharedStart`, one entry, ~1 MB at 135M) for prompts admitted later, one or two at a time as running

@@ -200,15 +200,21 @@ class RemoteEngine:
         versions = meta.get("output_token_versions")
         if not isinstance(versions, list) or len(versions) != len(ids):
             versions = [_as_int(meta.get("weight_version"), client_version)] * len(ids)
-        reason = (meta.get("finish_reason") or {}).get("type") if isinstance(meta.get("finish_reason"), dict) \
-            else meta.get("finish_reason")
-        return self._output(ids, logprobs, [int(v) for v in versions], reason, input_ids, meta.get("id"))
+        finish = meta.get("finish_reason")
+        reason = (finish or {}).get("type") if isinstance(finish, dict) else finish
+        matched = finish.get("matched") if isinstance(finish, dict) else None
+        out = self._output(ids, logprobs, [int(v) for v in versions], reason, input_ids, meta.get("id"))
+        if out.finish_reason == "stop" and isinstance(matched, str) and matched in params.stop_strings:
+            out.stop_string = matched
+        return out
 
     async def _generate_vllm(self, input_ids: list[int], params: SamplingParams, rid: str | None) -> GenOutput:
         body = {"model": await self._vllm_model(), "prompt": input_ids, "max_tokens": params.max_new_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or -1,
                 "seed": params.seed, "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos,
                 "logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True}
+        if params.stop_strings:  # vLLM's token_ids keep every sampled token; only `text` loses the stop string
+            body["stop"] = list(params.stop_strings)
         if rid is not None:
             body["user"] = rid  # vLLM has no sticky id; this only labels the request in its logs
         client_version = self._version
@@ -219,7 +225,10 @@ class RemoteEngine:
         else:
             ids = [_token_id(t) for t in lp.get("tokens") or []]
         logprobs = self._logprobs(lp.get("token_logprobs") or [], ids)
-        return self._output(ids, logprobs, [client_version] * len(ids), choice.get("finish_reason"), input_ids, rid)
+        out = self._output(ids, logprobs, [client_version] * len(ids), choice.get("finish_reason"), input_ids, rid)
+        if out.finish_reason == "stop" and choice.get("stop_reason") in params.stop_strings:  # vLLM's stop_reason
+            out.stop_string = choice["stop_reason"]
+        return out
 
     async def _vllm_model(self) -> str:
         """The served model's name (vLLM checks it): the `model` argument, else the first of /v1/models."""
@@ -441,6 +450,8 @@ def _sglang_sampling(p: SamplingParams) -> dict[str, Any]:
                            "top_k": p.top_k or -1}
     if p.stop_token_ids:
         out["stop_token_ids"] = list(p.stop_token_ids)
+    if p.stop_strings:  # SGLang returns every token it sampled in output_ids; only `text` loses the stop string
+        out["stop"] = list(p.stop_strings)
     if p.ignore_eos:
         out["ignore_eos"] = True
     if p.seed is not None:

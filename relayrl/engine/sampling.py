@@ -6,7 +6,7 @@ Drawing u from a per-request generator makes a seeded request sample the same to
 requests share its batch, which keeps runs reproducible when the continuous batch changes shape. One number
 per row, instead of a noise value per vocabulary entry (the Gumbel-max trick), is what makes sampling cheap
 next to the forward: with 256 rows and a 49k vocabulary the Gumbel noise alone cost more than the rest of
-sampling (bench/rollout.py, docs/benchmarks.md, "Rollout speed").
+sampling (bench/engine.py rollout, docs/benchmarks.md, "Rollout speed").
 
 Devices: the arithmetic runs on the logits' device, but the uniforms are drawn on the CPU, from CPU generators,
 and moved there (one number per row). So a seeded request samples the same u on a CPU and on a GPU engine, and
@@ -74,8 +74,9 @@ def sample_tokens(
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
     work: torch.Tensor | None = None,
-) -> tuple[list[int], list[float]]:
-    """Sample one token per row of `logits` [rows, vocab]; return tokens and their logprobs.
+) -> tuple[list[int], list[float], list[list[tuple[int, float]]] | None]:
+    """Sample one token per row of `logits` [rows, vocab]; return tokens, their logprobs and, when some row's params
+    ask for top_logprobs, each row's most likely (token, logprob) pairs (None otherwise: no cost for the others).
 
     The logprob is log_softmax(logits / T)[token] (T = 1 for greedy rows), i.e. before top-k/top-p, computed
     in fp32 as (logit - max) / T - log(sum(exp((logits - max) / T))). `work`, a float32 tensor on the logits'
@@ -108,6 +109,25 @@ def sample_tokens(
         tokens = _inverse_cdf(filtered, u)
         if any(greedy_list):
             tokens = torch.where(torch.tensor(greedy_list, device=device), logits.argmax(dim=-1), tokens)
+    log_total = weights.sum(dim=-1).log()
     chosen = (logits.gather(-1, tokens[:, None]).squeeze(-1).float() - top.squeeze(-1)) / temps
-    chosen -= weights.sum(dim=-1).log()
-    return tokens.tolist(), chosen.tolist()
+    chosen -= log_total
+    alternatives = _alternatives(logits, params, top, temps, log_total) if any(p.top_logprobs for p in params) else None
+    return tokens.tolist(), chosen.tolist(), alternatives
+
+
+def _alternatives(logits: torch.Tensor, params: list[SamplingParams], top: torch.Tensor, temps: torch.Tensor,
+                  log_total: torch.Tensor) -> list[list[tuple[int, float]]]:
+    """The params.top_logprobs most likely (token, logprob) of each row that asks (others: []), most likely first,
+    in the very arithmetic of the sampled token's logprob, so a sampled token among them has the same value."""
+    asking = [i for i, p in enumerate(params) if p.top_logprobs]
+    rows = torch.tensor(asking, device=logits.device)
+    k = min(max(params[i].top_logprobs for i in asking), logits.shape[-1])
+    values, ids = logits.index_select(0, rows).topk(k, dim=-1)  # the order of logits is the order of logprobs
+    lps = (values.float() - top.index_select(0, rows)) / temps.index_select(0, rows)[:, None]
+    lps -= log_total.index_select(0, rows)[:, None]
+    out: list[list[tuple[int, float]]] = [[] for _ in params]
+    for i, row_ids, row_lps in zip(asking, ids.tolist(), lps.tolist()):
+        out[i] = list(zip(row_ids, row_lps))[: params[i].top_logprobs]
+    return out
+

@@ -24,13 +24,16 @@ class Seq:
     prompt_logits: torch.Tensor | None = None  # last-position logits of the prompt, for prefix sharing
     rid: str | None = None
     refill: bool = False  # rebuild this sequence's KV before its next step (weights changed)
+    stop_string: str | None = None  # the stop string its text came to contain (relayrl.engine.stops)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token, when params.top_logprobs > 0
 
     @property
     def cost(self) -> int:
         return len(self.prompt) + self.params.max_new_tokens
 
     def output(self, reason: str) -> GenOutput:
-        return GenOutput(self.out_ids, self.logprobs, self.versions, reason, len(self.prompt))
+        return GenOutput(self.out_ids, self.logprobs, self.versions, reason, len(self.prompt),
+                         stop_string=self.stop_string, top_logprobs=self.top_logprobs)
 
 
 def resolve(seq: Seq, out: GenOutput) -> None:

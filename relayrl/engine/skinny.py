@@ -6,7 +6,7 @@ in its tail), and the weights (SmolLM2-135M: 430 MB of fp32 layer weights) do no
 step with a handful of rows costs about as much as a full one, and mid-sized row counts run below the library's own
 rate on large products (docs/benchmarks.md, "Rollout speed"). `kernels/skinny_linear.c` streams each weight row once
 at 1-4 rows and multiplies register tiles (12 accumulators) at 5-64 rows, so the weights are read once per step at
-memory speed (bench/skinny_rows.py). As the rows approach 64 a GEMM library catches up and the kernel's margin
+memory speed (bench/kernels.py skinny_rows). As the rows approach 64 a GEMM library catches up and the kernel's margin
 becomes small and unsteady, which is why the limit is measured rather than fixed.
 
 Where it pays depends on the CPU, so a quick measurement on weights larger than the last-level cache decides up to

@@ -8,7 +8,9 @@ be plain or `async def`:
   start from the prompt relayrl built from the row (`data.prompt.system` and `suffix` applied);
 - `step(assistant_text) -> (messages, reward, done)`: the environment's answer to one assistant turn: the
   messages that follow it (user feedback, tool results), this turn's reward (a float, or None for none), and
-  whether the episode is over (the messages of a final step are not shown to the model: it speaks no more).
+  whether the episode is over (the messages of a final step are not shown to the model: it speaks no more);
+- `close()` (optional): called after every episode, played out or failed, to free what it held (a game, a
+  process, a connection); bounded by the same timeout. Its failure is logged and counted, the episode stands.
 
 The agent holds the token ids; the environment sees and writes only text. Plain methods run in a thread of their
 own (they may block); every call is bounded by `agent.kwargs.env_timeout`. What an environment raises, a call
@@ -47,6 +49,14 @@ class Environment(Protocol):
 
     def step(self, assistant_text: str) -> Step | Awaitable[Step]:
         """Answer one assistant turn: (messages that follow it, this turn's reward or None, done)."""
+
+
+def has_close(cls: type) -> bool:
+    """Whether the environment class implements the protocol's optional `close()` (checked once per class)."""
+    close = getattr(cls, "close", None)  # a protocol check of the user's class, as check_env_class does
+    if close is not None and not callable(close):
+        raise InputError(f"{where(cls)}.close is not a method; the environment protocol's close() takes no argument")
+    return close is not None
 
 
 class EnvError(Exception):

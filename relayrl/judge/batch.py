@@ -168,6 +168,8 @@ class BatchScorer:
                 metrics[f"reward/{f.name}"] = value
                 reward += f.weight * value
                 given.append(f.name)
+            else:  # counted per function: a judge whose replies stop parsing shows as a rising share
+                metrics[f"reward_none/{f.name}"] = 1.0
         if not given:
             names = ", ".join(f.name for f in self.functions)
             return None, metrics, ("no_reward", f"judge: every reward function returned None for this sample ({names})")

@@ -36,7 +36,7 @@ def segments_pay_off(device: torch.device) -> bool:
     the rows' dense mask). On a CPU they do: the C kernel skips the masked scores, which shortens the fit
     (docs/benchmarks.md, "The shared-prompt attention in C"). On a GPU they do not: the segments' PyTorch version
     (gathers, masked matmuls, a hand-written backward) is slower there than SDPA's fused kernels computing every
-    score with the dense mask (bench/train_step.py --device cuda; docs/benchmarks.md, "On a GPU")."""
+    score with the dense mask (bench/train.py train_step --device cuda; docs/benchmarks.md, "On a GPU")."""
     return device.type == "cpu"
 
 

@@ -209,7 +209,7 @@ _MAX_G, _MAX_D = 64, 1024  # query heads per KV head (its stack arrays) and head
 
 
 def build(source: Path = _SOURCE, fallback: str = "the trainer uses the PyTorch version") -> ctypes.CDLL | None:
-    """`source` (this kernel, or another version of its file: bench/segment_attention.py) built by
+    """`source` (this kernel, or another version of its file: bench/kernels.py segment_attention) built by
     relayrl.common.cbuild and loaded; None (logged with `fallback`) when it cannot be built or is switched off."""
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     shape, rc = [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, f32], ctypes.c_int

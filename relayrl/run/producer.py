@@ -97,7 +97,7 @@ class ProducerHandle:
         """Wait until the producer has built its engines, then let it produce. Why wait here: the training loop's
         clock starts after this call, so a step's time is production and training, never the producer process
         loading its model (a colocated run builds its engines before the loop too), which would otherwise make the
-        first step look many times longer than the rest (bench/async_vs_sync.py)."""
+        first step look many times longer than the rest (bench/learning.py async_vs_sync)."""
         while not self._ready:
             self._pump(0.5)
         if not self._started:

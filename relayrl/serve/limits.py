@@ -26,6 +26,9 @@ MAX_TEMPERATURE = 100.0  # at T=100 sampling is already uniform to 1e-4; larger 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (SGLang and vLLM do the same): 1/T would overflow
 INT64 = (-(2**63), 2**63 - 1)
 MAX_STOP_TOKENS = 1024
+MAX_STOP_STRINGS = 4  # OpenAI's bound on `stop`; the native API allows more (SGLang sets none)
+MAX_NATIVE_STOP_STRINGS = 32
+MAX_STOP_BYTES = 256  # of one stop string: the engine decodes about that many tokens per step (relayrl.engine.stops)
 MAX_RID_CHARS = 512
 MAX_TOKENS_HINT = " (the server's --max-tokens)"
 CHARS_PER_TOKEN = 16  # text longer than max_prompt_tokens x this is refused before tokenizing it
@@ -191,6 +194,20 @@ def stop_token_ids(raw: dict[str, Any], vocab_size: int, where: str = "") -> tup
         raise BadRequest(field, f"must be a list of at most {MAX_STOP_TOKENS} token ids")
     check_token_ids(stop, vocab_size, field)
     return tuple(stop)
+
+
+def stop_strings(raw: dict[str, Any], where: str = "", most: int = MAX_STOP_STRINGS) -> tuple[str, ...]:
+    """`stop`: a string or a list of strings, each non-empty (an empty one would match at once)."""
+    field = _name("stop", where)
+    stop = raw.get("stop")
+    if stop is None:
+        return ()
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > most or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest(field, f"must be a non-empty string or a list of at most {most} non-empty strings")
+    if any(len(s.encode()) > MAX_STOP_BYTES for s in stop):
+        raise BadRequest(field, f"a stop string may be at most {MAX_STOP_BYTES} bytes of UTF-8")
+    return tuple(dict.fromkeys(stop))
 
 
 def _bound(x: float | None, unbounded: str) -> str:

@@ -2,8 +2,17 @@
 
 relayrl's RemoteEngine is a client of this API and of real SGLang servers alike, so requests and responses
 follow SGLang's shapes (`input_ids` + `sampling_params` in; `text`, `output_ids`, `meta_info` out, with
-`finish_reason` as `{"type": "stop", "matched": id}`, `{"type": "length", "length": n}` or
+`finish_reason` as `{"type": "stop", "matched": id}` (the stop string when one of `sampling_params.stop` ended
+it: `text` is cut right before it, `output_ids` keep every sampled token), `{"type": "length", "length": n}` or
 `{"type": "abort", "message": ...}` and logprobs as `[[logprob, token_id, null], ...]`).
+
+Logprobs, as SGLang gives them (with `return_logprob: true`): `output_token_logprobs`; `input_token_logprobs` from
+prompt token `logprob_start_len` on (-1, the default: none; the first prompt token's logprob is null, nothing
+comes before it); with `top_logprobs_num: k`, `output_top_logprobs` / `input_top_logprobs`, k entries per token
+(null for the first prompt token); each entry `[logprob, token_id, text]`, the text null unless
+`return_text_in_logprobs`. `max_new_tokens: 0` with prompt logprobs scores the prompt alone (lm-eval's
+loglikelihood). Prompt logprobs come from one forward over the prompt at temperature 1 (LocalEngine.submit_score:
+the trainer's logprobs of those tokens).
 
 Routes: POST /generate, /update_weights_from_disk (only under --weights-root: `relayrl.serve.weights_disk`),
 /pause_generation, /continue_generation, /abort_request,
@@ -20,10 +29,10 @@ what partial-rollout training needs. Differences from SGLang, on purpose:
 - `weight_version` is an int (a numeric string is accepted on input);
 - `/pause_generation` defaults to mode "in_place" (running requests keep their state and continue after
   `/continue_generation`); mode "abort" aborts them first, "retract" behaves like "in_place";
-- sampling options this engine cannot honour (stop strings, penalties, grammars, min_p) are rejected with
+- sampling options this engine cannot honour (stop_regex, penalties, grammars, min_p) are rejected with
   400 instead of being ignored, because silently sampling from a different distribution corrupts RL data;
   options that only touch the returned extras (top_logprobs_num, skip_special_tokens, ...) are accepted;
-- no streaming, no prompt logprobs (`input_token_logprobs`), no top-k logprobs;
+- no streaming; no `token_ids_logprob` (400);
 - every field is checked against the server's limits (`relayrl.serve.parsing`), and samples wait in the
   server's fair queue (`relayrl.serve.admission`) rather than in the engine's first-come one.
 Logprobs are those of the temperature-scaled distribution before top-k/top-p (the trainer's convention).
@@ -39,6 +48,8 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from relayrl.engine.base import GenOutput, SamplingParams
+from relayrl.engine.scoring import Scored
+from relayrl.engine.stops import cut_at_stop
 from relayrl.serve.errors import (
     ApiError,
     BadRequest,
@@ -49,7 +60,7 @@ from relayrl.serve.errors import (
     read_json,
 )
 from relayrl.serve.limits import flag, rid
-from relayrl.serve.parsing import Job, parse_generate
+from relayrl.serve.parsing import Job, LogprobAsk, parse_generate
 from relayrl.serve.security import key_check
 from relayrl.serve.state import ServerState
 from relayrl.serve.weights_disk import update_from_disk
@@ -59,33 +70,77 @@ from relayrl.serve.weights_dist import weight_routes
 # ---- responses ------------------------------------------------------------------------------------------
 def finish_reason(out: GenOutput) -> dict[str, Any]:
     if out.finish_reason == "stop":
-        return {"type": "stop", "matched": out.output_ids[-1]}
+        return {"type": "stop", "matched": out.stop_string if out.stop_string is not None else out.output_ids[-1]}
     if out.finish_reason == "length":
         return {"type": "length", "length": len(out.output_ids)}
     return {"type": "abort", "message": "request aborted"}
 
 
-def generate_response(job: Job, out: GenOutput, state: ServerState) -> dict[str, Any]:
+def generate_response(job: Job, out: GenOutput, state: ServerState, scored: Scored | None = None) -> dict[str, Any]:
+    """SGLang's answer for one sample; `scored`: its prompt's logprobs when the job asks for them."""
     meta: dict[str, Any] = {
         "id": job.rid, "finish_reason": finish_reason(out), "prompt_tokens": out.prompt_len,
         "completion_tokens": len(out.output_ids),
         "weight_version": out.versions[-1] if out.versions else state.engine.version,
         "output_token_versions": list(out.versions)}
-    if job.logprobs:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.logprobs, out.output_ids)]
-    text = state.tokenizer.decode(out.output_ids, skip_special_tokens=job.skip_special_tokens)
+    if job.logprobs.output:
+        meta.update(logprob_meta(job.logprobs, job.prompt, out, scored, state.tokenizer))
+    text = output_text(state.tokenizer, out, job.params.stop_strings, job.skip_special_tokens)
     return {"text": text, "output_ids": list(out.output_ids), "meta_info": meta}
 
 
-async def run_jobs(request: Request, state: ServerState, jobs: list[Job]) -> list[GenOutput]:
-    """Generate all jobs as one request (the engine batches them); a client that hangs up cancels them,
-    which frees their slots at the next step instead of generating for nobody."""
-    tasks = state.submit([(j.prompt, j.params, j.engine_rid) for j in jobs])
+def logprob_meta(ask: LogprobAsk, prompt: list[int], out: GenOutput, scored: Scored | None,
+                 tok: Any) -> dict[str, Any]:
+    """The logprob fields of meta_info (module doc). Prompt position p's logprob is scored[p - 1]: the score of
+    the token at p given those before it."""
+    def entries(logprobs: list[float | None], ids: list[int]) -> list[list[Any]]:
+        texts = [tok.decode([t]) for t in ids] if ask.text else [None] * len(ids)
+        return [[lp, t, text] for lp, t, text in zip(logprobs, ids, texts)]
+
+    def alternatives(alts: list[tuple[int, float]] | None) -> list[list[Any]] | None:
+        return entries([lp for _, lp in alts], [t for t, _ in alts]) if alts else None
+
+    meta: dict[str, Any] = {"output_token_logprobs": entries(out.logprobs, out.output_ids)}
+    start = ask.input_start if ask.input_start is not None and scored is not None else len(prompt)
+    positions, (lps, alts) = range(start, len(prompt)), scored or ([], [])
+    meta["input_token_logprobs"] = entries([lps[p - 1] if p else None for p in positions], prompt[start:])
+    if ask.top:
+        meta["input_top_logprobs"] = [alternatives(alts[p - 1]) if p else None for p in positions]
+        meta["output_top_logprobs"] = [alternatives(a) for a in out.top_logprobs or []]
+    return meta
+
+
+def submit_scores(state: ServerState, asks: list[tuple[list[int], int]]) -> list[asyncio.Future]:
+    """Score each (prompt, top_k) in the engine, between two of its steps (LocalEngine.submit_score, temperature 1);
+    cancelling a future withdraws its scoring."""
+    state.check_open()
+    return [asyncio.wrap_future(state.engine.submit_score(prompt, top)) for prompt, top in asks]
+
+
+def output_text(tok: Any, out: GenOutput, stops: tuple[str, ...], skip_special_tokens: bool = True) -> str:
+    """The output's text, cut right before the stop string that ended it (OpenAI's and SGLang's semantics); the
+    output's token ids keep every sampled token (relayrl.engine.stops)."""
+    text = tok.decode(out.output_ids, skip_special_tokens=skip_special_tokens)
+    return cut_at_stop(text, stops) if out.stop_string is not None else text
+
+
+async def run_jobs(request: Request, state: ServerState,
+                   jobs: list[Job]) -> tuple[list[GenOutput], list[Scored | None]]:
+    """Generate all jobs as one request (the engine batches them) and score the prompts whose logprobs are asked
+    (each distinct one once); a client that hangs up cancels them, which frees their slots at the next step instead
+    of generating for nobody. A job that only scores gets an empty output."""
+    generating = [j for j in jobs if j.generate]
+    scoring = list(dict.fromkeys((tuple(j.prompt), j.logprobs.top) for j in jobs if j.logprobs.input_start is not None))
+    tasks = state.submit([(j.prompt, j.params, j.engine_rid) for j in generating]) if generating else []
     try:
+        tasks += submit_scores(state, [(list(prompt), top) for prompt, top in scoring])
         while True:
             _, pending = await asyncio.wait(tasks, timeout=1.0)
             if not pending:
-                return [t.result() for t in tasks]
+                outs = iter(t.result() for t in tasks[: len(generating)])
+                scores = dict(zip(scoring, (t.result() for t in tasks[len(generating):])))
+                return ([next(outs) if j.generate else GenOutput([], [], [], "length", len(j.prompt)) for j in jobs],
+                        [scores.get((tuple(j.prompt), j.logprobs.top)) for j in jobs])
             if await request.is_disconnected():
                 raise HTTPException(status_code=499, detail="client disconnected")
     finally:
@@ -117,8 +172,8 @@ def native_router(state: ServerState) -> APIRouter:
 
     async def generate(request: Request, body: Any) -> Any:
         jobs, as_list = await parse_generate(body, state.limits, state.tokenize)
-        outs = await run_jobs(request, state, jobs)
-        answers = [generate_response(j, o, state) for j, o in zip(jobs, outs)]
+        outs, scores = await run_jobs(request, state, jobs)
+        answers = [generate_response(j, o, state, s) for j, o, s in zip(jobs, outs, scores)]
         return JSONResponse(answers if as_list else answers[0])  # plain JSON: skips FastAPI's slow encoder walk
 
     async def update_weights_from_disk(request: Request, body: Any) -> Any:

@@ -1,10 +1,17 @@
 """Checks of OpenAI /v1 request bodies for `relayrl serve`: every field a client sends, against the limits.
 
-What the engine cannot honour is refused with 400 rather than ignored (stop strings, penalties, logit_bias,
-echo, best_of > 1: sampling from another distribution than asked corrupts RL data); vLLM's extensions that it
-can honour are (`top_k` with -1 = off, `ignore_eos`, `stop_token_ids`, `return_token_ids`). Messages and tools
+What the engine cannot honour is refused with 400 rather than ignored (penalties, logit_bias,
+best_of > 1: sampling from another distribution than asked corrupts RL data); vLLM's extensions that it
+can honour are (`top_k` with -1 = off, `ignore_eos`, `stop_token_ids`, `return_token_ids`). `stop` (a string or
+up to 4) ends generation in the engine as soon as the text contains one (relayrl.engine.stops). Messages and tools
 are checked for the shapes chat templates expect before a template sees them, so a malformed message is a
 400 naming it, not a template's exception.
+
+Logprobs (`logprob_options`), as OpenAI defines them: chat takes `logprobs: true` and `top_logprobs: k` (k <=
+MAX_TOP_LOGPROBS, OpenAI's 20, and only with logprobs: true); completions take `logprobs: k` (k <=
+MAX_COMPLETION_LOGPROBS, OpenAI's 5; 0 = the sampled tokens' logprobs, no alternatives) and `echo: true` (the
+prompt comes back before the completion, with its tokens' logprobs when logprobs are asked; `max_tokens: 0` with
+echo scores the prompt alone, which is what log-likelihood evaluations send). Chat has no echo.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
@@ -26,6 +34,7 @@ from relayrl.serve.limits import (
     flag,
     number,
     seed,
+    stop_strings,
     stop_token_ids,
     temperature,
     top_k,
@@ -35,8 +44,9 @@ from relayrl.serve.limits import (
 log = logging.getLogger("relayrl.serve")
 # OpenAI / vLLM options that would change what is sampled: refused unless neutral
 NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0,
-           "best_of": 1, "echo": False, "suffix": None, "logit_bias": None}
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound; only the sampled token's logprob is returned
+           "best_of": 1, "suffix": None, "logit_bias": None}
+MAX_TOP_LOGPROBS = 20  # alternatives per token: OpenAI's bound for chat top_logprobs (and SGLang's top_logprobs_num)
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions `logprobs`
 
 
 def sampling(body: dict[str, Any], limits: ServerLimits, prompt_len: int) -> tuple[SamplingParams, int]:
@@ -44,8 +54,6 @@ def sampling(body: dict[str, Any], limits: ServerLimits, prompt_len: int) -> tup
     for key, neutral in NEUTRAL.items():
         if body.get(key) not in (None, neutral):
             raise BadRequest(key, f"is not supported (only {neutral})", "unsupported_value")
-    if body.get("stop"):
-        raise BadRequest("stop", "stop strings are not supported (stop_token_ids are)", "unsupported_value")
     _check_extras(body)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     room = max(1, min(limits.max_tokens, limits.max_seq_len - prompt_len))
@@ -55,16 +63,13 @@ def sampling(body: dict[str, Any], limits: ServerLimits, prompt_len: int) -> tup
     return SamplingParams(max_new_tokens=limits.new_tokens(prompt_len, max_tokens), temperature=temperature(body),
                           top_p=top_p(body), top_k=top_k(body, limits.vocab_size),
                           stop_token_ids=stop_token_ids(body, limits.vocab_size),
-                          ignore_eos=flag(body, "ignore_eos", False), seed=seed(body, ("seed",), n)), n
+                          ignore_eos=flag(body, "ignore_eos", False), seed=seed(body, ("seed",), n),
+                          stop_strings=stop_strings(body)), n
 
 
 def _check_extras(body: dict[str, Any]) -> None:
     """Fields that only shape the answer: the right type, or 400."""
     flag(body, "return_token_ids", False)
-    logprobs = body.get("logprobs")
-    if not isinstance(logprobs, bool):  # chat: a boolean; completions: a count of alternatives (0..5)
-        number(body, "logprobs", None, int, low=0, high=MAX_TOP_LOGPROBS)
-    number(body, "top_logprobs", None, int, low=0, high=MAX_TOP_LOGPROBS)
     for key in ("model", "user"):
         if body.get(key) is not None and not isinstance(body[key], str):
             raise BadRequest(key, "must be a string")
@@ -172,7 +177,45 @@ def completion_prompts(prompt: Any, limits: ServerLimits) -> list[str | list[int
             for i, p in enumerate(prompt)]
 
 
-def logprobs_wanted(body: dict[str, Any], chat: bool) -> bool:
+@dataclass(frozen=True)
+class Logprobs:
+    """What a request asks back beside the text (module doc)."""
+
+    wanted: bool = False  # the sampled tokens' logprobs
+    top: int = 0  # alternatives per token
+    echo: bool = False  # completions: the prompt first (its tokens' logprobs too, when wanted)
+
+    @property
+    def score_prompt(self) -> bool:
+        return self.echo and self.wanted
+
+
+def logprob_options(body: dict[str, Any], chat: bool) -> Logprobs:
+    """`logprobs`, `top_logprobs` and `echo` checked: the right type, in range, and in the combinations OpenAI
+    accepts, or 400 naming the field."""
+    echo = flag(body, "echo", False)
+    top = number(body, "top_logprobs", 0, int, low=0, high=MAX_TOP_LOGPROBS)
     if chat:
-        return boolean(body.get("logprobs"), False, "logprobs")
-    return body.get("logprobs") not in (None, False)
+        if echo:
+            raise BadRequest("echo", "is not supported by chat completions (only by /v1/completions)",
+                             "unsupported_value")
+        wanted = boolean(body.get("logprobs"), False, "logprobs")
+        if top and not wanted:
+            raise BadRequest("top_logprobs", "needs logprobs: true")
+        return Logprobs(wanted, top)
+    if top:
+        raise BadRequest("top_logprobs", "is a chat completions field; /v1/completions takes logprobs: <count>")
+    raw = body.get("logprobs")
+    if raw is None or isinstance(raw, bool):  # OpenAI's is a count; true (some clients send it) is a count of 0
+        return Logprobs(bool(raw), 0, echo)
+    return Logprobs(True, number(body, "logprobs", 0, int, low=0, high=MAX_COMPLETION_LOGPROBS), echo)
+
+
+def completion_sampling(body: dict[str, Any], limits: ServerLimits, prompt_len: int,
+                        asked: Logprobs) -> tuple[SamplingParams | None, int]:
+    """`sampling` for /v1/completions, where max_tokens 0 with echo asks for the prompt alone (nothing is generated:
+    None)."""
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if asked.echo and number(body, key, None, int, low=0) == 0:
+        return None, sampling({**body, key: None}, limits, prompt_len)[1]
+    return sampling(body, limits, prompt_len)

@@ -3,7 +3,8 @@
 Kept apart from the routes (`relayrl.serve.native`) so the whole of what a client can send is in one place.
 top_k follows SGLang (-1 = off; relayrl's 0 = off is accepted too); a seeded group of n gets seeds seed,
 seed+1, ... so its samples differ yet repeat exactly. max_new_tokens is clamped to what the context leaves
-(generation would stop there anyway) before it is counted against the in-flight budget.
+(generation would stop there anyway) before it is counted against the in-flight budget. Logprobs follow SGLang
+(`_logprob_asks`); `max_new_tokens: 0` is accepted only where the prompt's logprobs are asked (scoring alone).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from relayrl.engine.base import SamplingParams
 from relayrl.serve.errors import BadRequest
 from relayrl.serve.limits import (
+    MAX_NATIVE_STOP_STRINGS,
     MAX_TOKENS_HINT,
     ServerLimits,
     boolean,
@@ -24,21 +26,33 @@ from relayrl.serve.limits import (
     number,
     rid,
     seed,
+    stop_strings,
     stop_token_ids,
     temperature,
     top_k,
     top_p,
 )
+from relayrl.serve.openai_params import MAX_TOP_LOGPROBS
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 _NEUTRAL = {"min_new_tokens": 0, "frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1,
             "min_p": 0}
-_UNSUPPORTED = ("stop", "stop_regex", "regex", "json_schema", "ebnf", "structural_tag", "logit_bias",
+_UNSUPPORTED = ("stop_regex", "regex", "json_schema", "ebnf", "structural_tag", "logit_bias",
                 "custom_params")
 _EXTRAS_ONLY = ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval")
-_KNOWN = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "seed",
+_KNOWN = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "seed",
           "sampling_seed", "n", *_NEUTRAL, *_UNSUPPORTED, *_EXTRAS_ONLY}
 Tokenize = Callable[[list[str]], Awaitable[list[list[int]]]]
+
+
+@dataclass(frozen=True)
+class LogprobAsk:
+    """What /generate's logprob fields ask for one prompt (SGLang's names and meanings)."""
+
+    output: bool = False  # return_logprob: output_token_logprobs (and the prompt's, from input_start)
+    input_start: int | None = None  # logprob_start_len >= 0 with return_logprob: prompt logprobs from there
+    top: int = 0  # top_logprobs_num: alternatives per token (with return_logprob)
+    text: bool = False  # return_text_in_logprobs: each entry's token text instead of null
 
 
 @dataclass
@@ -47,8 +61,9 @@ class Job:
     params: SamplingParams
     rid: str
     engine_rid: str | None  # only client-named requests are abortable / keep their KV for the next turn
-    logprobs: bool
+    logprobs: LogprobAsk
     skip_special_tokens: bool = True  # for `text` only; output_ids always hold every token
+    generate: bool = True  # False: max_new_tokens 0, the prompt is only scored (params then ask for one token)
 
     @property
     def cost(self) -> int:
@@ -60,8 +75,7 @@ def _check_supported(raw: dict[str, Any], where: str) -> None:
         if key in _NEUTRAL and value is not None and value != _NEUTRAL[key]:
             raise BadRequest(f"{where}.{key}", f"is not supported (only {_NEUTRAL[key]})")
         if key in _UNSUPPORTED and value:
-            hint = "; use stop_token_ids" if key == "stop" else ""
-            raise BadRequest(f"{where}.{key}", f"is not supported{hint}")
+            raise BadRequest(f"{where}.{key}", "is not supported")
         if key not in _KNOWN:
             raise BadRequest(f"{where}.{key}"[:200], "unknown sampling parameter")
 
@@ -79,7 +93,8 @@ def parse_sampling(raw: Any, limits: ServerLimits, where: str = "sampling_params
                               low=1, high=limits.max_tokens, hint=MAX_TOKENS_HINT),
         temperature=temperature(raw, where), top_p=top_p(raw, where), top_k=top_k(raw, limits.vocab_size, where),
         stop_token_ids=stop_token_ids(raw, limits.vocab_size, where), ignore_eos=flag(raw, "ignore_eos", False, where),
-        seed=seed(raw, ("seed", "sampling_seed"), n, where))
+        seed=seed(raw, ("seed", "sampling_seed"), n, where),
+        stop_strings=stop_strings(raw, where, MAX_NATIVE_STOP_STRINGS))
     return params, n
 
 
@@ -115,6 +130,27 @@ def _per_prompt(value: Any, count: int, field: str) -> list[Any]:
     return value
 
 
+def _logprob_asks(body: dict[str, Any], prompts: list[list[int]]) -> list[LogprobAsk]:
+    """return_logprob, logprob_start_len (-1: none of the prompt; k: from its token k on, the first token's logprob
+    null), top_logprobs_num and return_text_in_logprobs, each one value or one per prompt, checked."""
+    if body.get("token_ids_logprob") is not None:
+        raise BadRequest("token_ids_logprob", "is not supported (top_logprobs_num is)")
+    keys = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+    values = {key: _per_prompt(body.get(key), len(prompts), key) for key in keys}
+    asks = []
+    for i, prompt in enumerate(prompts):
+        raw = {key: values[key][i] for key in keys}
+        field = {key: f"{key}[{i}]" if isinstance(body.get(key), list) else key for key in keys}
+        on = boolean(raw["return_logprob"], False, field["return_logprob"])
+        start = number({field["logprob_start_len"]: raw["logprob_start_len"]}, field["logprob_start_len"], -1, int,
+                       low=-1, high=len(prompt) - 1)
+        top = number({field["top_logprobs_num"]: raw["top_logprobs_num"]}, field["top_logprobs_num"], 0, int, low=0,
+                     high=MAX_TOP_LOGPROBS)
+        text = boolean(raw["return_text_in_logprobs"], False, field["return_text_in_logprobs"])
+        asks.append(LogprobAsk(on, start if on and start >= 0 else None, top if on else 0, text))
+    return asks
+
+
 async def parse_generate(body: dict[str, Any], limits: ServerLimits, tokenize: Tokenize) -> tuple[list[Job], bool]:
     """One Job per sample (prompt-major when sampling_params.n > 1) and whether to answer with a list. The
     request as a whole must fit --max-n and the in-flight budget."""
@@ -124,21 +160,23 @@ async def parse_generate(body: dict[str, Any], limits: ServerLimits, tokenize: T
     listed = isinstance(body.get("sampling_params"), list)
     raw_params = _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params")
     rids = _per_prompt(body.get("rid"), len(prompts), "rid") if batch else [body.get("rid")]
-    logprobs = _per_prompt(body.get("return_logprob"), len(prompts), "return_logprob")
+    asks = _logprob_asks(body, prompts)
     parsed = []
-    for i, (prompt, raw, name, lp) in enumerate(zip(prompts, raw_params, rids, logprobs)):
+    for i, (prompt, raw, name, lp) in enumerate(zip(prompts, raw_params, rids, asks)):
         where = f"sampling_params[{i}]" if listed else "sampling_params"
-        params, n = parse_sampling(raw, limits, where)
-        params = dataclasses.replace(params, max_new_tokens=limits.new_tokens(len(prompt), params.max_new_tokens))
+        # max_new_tokens 0 asks for the prompt's logprobs alone (lm-eval's loglikelihood); nothing else may ask it
+        zero = isinstance(raw, dict) and raw.get("max_new_tokens") == 0 and type(raw["max_new_tokens"]) is not bool
+        score_only = lp.input_start is not None and zero
+        params, n = parse_sampling({**raw, "max_new_tokens": 1} if score_only else raw, limits, where)
+        params = dataclasses.replace(params, max_new_tokens=limits.new_tokens(len(prompt), params.max_new_tokens),
+                                     top_logprobs=lp.top)
         name = rid(name, f"rid[{i}]" if batch and isinstance(body.get("rid"), list) else "rid")
-        lp = boolean(lp, False, f"return_logprob[{i}]" if isinstance(body.get("return_logprob"), list)
-                     else "return_logprob")
-        parsed.append((prompt, params, n, name, lp, flag(raw or {}, "skip_special_tokens", True, where)))
+        parsed.append((prompt, params, n, name, lp, flag(raw or {}, "skip_special_tokens", True, where), score_only))
     limits.check_samples(sum(p[2] for p in parsed), "sampling_params.n")
     jobs: list[Job] = []
-    for prompt, params, n, name, lp, skip in parsed:
+    for prompt, params, n, name, lp, skip, score_only in parsed:
         for k in range(n):  # a seeded group gets seeds seed..seed+n-1: distinct samples, still reproducible
             seeded = params if params.seed is None or k == 0 else dataclasses.replace(params, seed=params.seed + k)
-            jobs.append(Job(prompt, seeded, name or uuid.uuid4().hex, name, lp, skip))
+            jobs.append(Job(prompt, seeded, name or uuid.uuid4().hex, name, lp, skip, not score_only))
     limits.check_cost(sum(j.cost for j in jobs), "sampling_params.max_new_tokens")
     return jobs, batch or len(jobs) > 1

@@ -7,11 +7,16 @@ One FastAPI app carries two APIs over the same engine (so they share its continu
   written against the `openai` package. Chat renders messages with the tokenizer's chat template; `tools`
   are described in the template (or a system prompt when it has no tool support) and `<tool_call>` output is
   returned as OpenAI `tool_calls`; `return_token_ids: true` adds `prompt_token_ids` / `token_ids` (vLLM's
-  extension). Streaming is not supported (`stream: true` -> HTTP 400). The served model is named by the
-  --model argument in /v1/models and responses; a request's `model` field is not checked (one model is
-  served). Options that would change what is sampled and that the engine cannot honour (stop strings,
-  penalties, logit_bias, echo, best_of > 1) are refused with 400; only the sampled tokens' logprobs are
-  returned (top alternatives are not computed).
+  extension). Streaming is not supported (`stream: true` -> HTTP 400). The served model is named by
+  --served-model-name (several aliases; default the --model argument) in /v1/models and responses; a request
+  naming another `model` gets 404 (`relayrl.serve.openai_api`). `stop` strings end generation in the engine
+  (relayrl.engine.stops): the returned text is cut before the stop string, `token_ids` keep every sampled
+  token. Options that would change what is sampled and that the engine cannot honour (penalties, logit_bias,
+  best_of > 1) are refused with 400. Logprobs as OpenAI returns them (`relayrl.serve.openai_params`): top
+  alternatives per token (`top_logprobs`, completions `logprobs: k`) come from the distribution the sampled
+  token's logprob is taken from; completions `echo` returns the prompt first, and with logprobs its tokens'
+  logprobs (at temperature 1, one forward over the prompt: LocalEngine.submit_score), `max_tokens: 0` scoring
+  the prompt alone.
 
 Hostile clients: every field of every request is checked against the server's limits before any of it
 reaches the engine (`relayrl.serve.limits`, `parsing`, `openai_params`); requests wait in a fair queue in
@@ -45,11 +50,12 @@ from relayrl.common.hardware import resolve_dtype
 from relayrl.common.logs import third_party_level
 from relayrl.engine.base import GenOutput, SamplingParams
 from relayrl.engine.local import LocalEngine
+from relayrl.engine.scoring import Scored
 from relayrl.models import load_tokenizer, resolve_model_path
 from relayrl.serve import openai_params
 from relayrl.serve.limits import ServerLimits
-from relayrl.serve.native import health, native_router
-from relayrl.serve.openai_api import chat_response, make_openai_app
+from relayrl.serve.native import health, native_router, output_text, submit_scores
+from relayrl.serve.openai_api import Alternatives, chat_response, completion_logprobs, make_openai_app
 from relayrl.serve.security import ServeRefused, check_options
 from relayrl.serve.state import ServerState
 from relayrl.tools import Tool
@@ -73,7 +79,7 @@ class EngineBackend:
     """The ChatBackend of `make_openai_app` over the served engine; every request stands alone and is checked
     whole (`relayrl.serve.openai_params`) before any of it reaches the engine."""
 
-    def __init__(self, state: ServerState, model_name: str):
+    def __init__(self, state: ServerState, model_name: str):  # responses name the first --served-model-name
         self.state, self.model_name, self.tok = state, model_name, state.tokenizer
         self.limits = state.limits
         self.native_tools = "tools" in (getattr(self.tok, "chat_template", "") or "")
@@ -112,48 +118,87 @@ class EngineBackend:
         it = iter(outs)
         return [[next(it) for _ in range(n)] for _, _, n in jobs]
 
+    async def generate(self, jobs: list[tuple[list[int], SamplingParams | None, int]]) -> list[list[GenOutput]]:
+        """`sample`, where a prompt without params (completions' max_tokens 0 with echo) gets n empty outputs."""
+        running = [job for job in jobs if job[1] is not None]
+        outs = iter(await self.sample(running) if running else [])
+        return [next(outs) if params is not None else [GenOutput([], [], [], "length", len(prompt))] * n
+                for prompt, params, n in jobs]
+
+    async def score(self, prompts: list[list[int]], top: int) -> list[Scored]:
+        """Each prompt's token logprobs and `top` alternatives (relayrl.serve.native.submit_scores)."""
+        futures = submit_scores(self.state, [(prompt, top) for prompt in prompts])
+        try:
+            return list(await asyncio.gather(*futures))
+        finally:
+            for f in futures:
+                f.cancel()
+
     def token_texts(self, ids: list[int]) -> list[str]:
         return [self.tok.decode([t]) for t in ids]
 
+    def alternatives(self, alts: list[tuple[int, float]]) -> Alternatives:
+        return list(zip(self.token_texts([t for t, _ in alts]), [lp for _, lp in alts]))
+
     async def chat(self, body: dict[str, Any], session: str | None) -> dict[str, Any]:
+        asked = openai_params.logprob_options(body, chat=True)
         messages = openai_params.messages(body.get("messages"), self.limits)
         tools = openai_params.tools(body.get("tools"))
         prompt = await self.chat_prompt_ids(messages, tools)
         params, n = openai_params.sampling(body, self.limits, len(prompt))
-        want_lp, with_ids = openai_params.logprobs_wanted(body, chat=True), bool(body.get("return_token_ids"))
+        params = dataclasses.replace(params, top_logprobs=asked.top)
+        want_lp, with_ids = asked.wanted, bool(body.get("return_token_ids"))
         outs = (await self.sample([(prompt, params, n)]))[0]
         cid, choices = f"chatcmpl-{uuid.uuid4().hex}", []
         for i, out in enumerate(outs):
-            text = self.tok.decode(out.output_ids, skip_special_tokens=True)
+            text = output_text(self.tok, out, params.stop_strings)
             calls = _openai_tool_calls(text) if tools else []
             content = text.split("<tool_call>")[0].strip() if calls else text
-            reply = chat_response(cid, self.model_name, content or None, calls or None, _finish(out, bool(calls)),
+            content = content if content or not calls else None  # "" when a stop string came first, as vLLM
+            reply = chat_response(cid, self.model_name, content, calls or None, _finish(out, bool(calls)),
                                   prompt, out.output_ids, out.logprobs if want_lp else None,
-                                  self.token_texts(out.output_ids) if want_lp else None, with_ids)
+                                  self.token_texts(out.output_ids) if want_lp else None, with_ids,
+                                  [self.alternatives(a) for a in out.top_logprobs or []] if asked.top else None)
             choices.append({**reply["choices"][0], "index": i})
         return {**reply, "choices": choices, "usage": _usage([len(prompt)], outs)}
 
-    async def completion_prompts(self, prompt: Any) -> list[list[int]]:
-        """`prompt` as a string, token ids, or a batch of either; text is tokenized off the event loop."""
+    async def completion_prompts(self, prompt: Any) -> tuple[list[list[int]], list[str]]:
+        """`prompt` as a string, token ids, or a batch of either: as token ids, and as text (what `echo` returns:
+        the string sent, or the ids decoded); text is tokenized off the event loop."""
         checked = openai_params.completion_prompts(prompt, self.limits)
         texts = [p for p in checked if isinstance(p, str)]
         tokenized = iter(await self.state.tokenize(texts) if texts else [])
-        return [self.limits.check_prompt(next(tokenized), f"prompt[{i}]") if isinstance(p, str) else p
-                for i, p in enumerate(checked)]
+        ids = [self.limits.check_prompt(next(tokenized), f"prompt[{i}]") if isinstance(p, str) else p
+               for i, p in enumerate(checked)]
+        return ids, [p if isinstance(p, str) else self.tok.decode(p) for p in checked]
+
+    def completion_logprobs(self, prompt: list[int], text: str, out: GenOutput, scored: Scored | None) -> dict:
+        """A choice's logprobs: the generated tokens', after the prompt's when it was scored (echo)."""
+        tokens, lps = self.token_texts(out.output_ids), list(out.logprobs)
+        top = [self.alternatives(a) for a in out.top_logprobs] if out.top_logprobs else [[] for _ in lps]
+        if scored is None:
+            return completion_logprobs(tokens, lps, top, len(text))
+        prompt_lps, prompt_top = scored
+        return completion_logprobs(self.token_texts(prompt) + tokens, [None, *prompt_lps, *lps],
+                                   [None, *map(self.alternatives, prompt_top), *top], 0)
 
     async def complete(self, body: dict[str, Any], session: str | None) -> dict[str, Any]:
-        prompts = await self.completion_prompts(body.get("prompt"))
-        jobs = [(p, *openai_params.sampling(body, self.limits, len(p))) for p in prompts]
-        want_lp, with_ids = openai_params.logprobs_wanted(body, chat=False), bool(body.get("return_token_ids"))
-        per_prompt = await self.sample(jobs)
+        asked = openai_params.logprob_options(body, chat=False)
+        prompts, texts = await self.completion_prompts(body.get("prompt"))
+        jobs = [(p, *openai_params.completion_sampling(body, self.limits, len(p), asked)) for p in prompts]
+        jobs = [(p, None if params is None else dataclasses.replace(params, top_logprobs=asked.top), n)
+                for p, params, n in jobs]
+        with_ids = bool(body.get("return_token_ids"))
+        per_prompt = await self.generate(jobs)
+        scores = await self.score(prompts, asked.top) if asked.score_prompt else [None] * len(prompts)
         choices = []
-        for prompt, outs in zip(prompts, per_prompt):
+        for (prompt, params, _), text, outs, scored in zip(jobs, texts, per_prompt, scores):
             for out in outs:
+                completion = "" if params is None else output_text(self.tok, out, params.stop_strings)
                 choice: dict[str, Any] = {"index": len(choices), "finish_reason": _finish(out), "logprobs": None,
-                                          "text": self.tok.decode(out.output_ids, skip_special_tokens=True)}
-                if want_lp:  # only the sampled tokens' logprobs: top alternatives are not computed
-                    choice["logprobs"] = {"tokens": self.token_texts(out.output_ids),
-                                          "token_logprobs": list(out.logprobs), "top_logprobs": None}
+                                          "text": text + completion if asked.echo else completion}
+                if asked.wanted:
+                    choice["logprobs"] = self.completion_logprobs(prompt, text, out, scored)
                 if with_ids:
                     choice["prompt_token_ids"], choice["token_ids"] = prompt, list(out.output_ids)
                 choices.append(choice)
@@ -167,8 +212,9 @@ def _usage(prompt_lens: list[int], outs: list[GenOutput]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def build_app(state: ServerState, model_name: str) -> FastAPI:
-    """The one app: OpenAI routes, native routes, and an open /health; the engine is closed on shutdown."""
+def build_app(state: ServerState, model_names: tuple[str, ...]) -> FastAPI:
+    """The one app: OpenAI routes (a request's `model` one of `model_names`), native routes, and an open /health;
+    the engine is closed on shutdown."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
@@ -176,8 +222,8 @@ def build_app(state: ServerState, model_name: str) -> FastAPI:
         await asyncio.to_thread(state.engine.close)
         state.close()
 
-    app = make_openai_app(EngineBackend(state, model_name), state.api_key, lifespan=lifespan,
-                          max_body_bytes=state.limits.max_body_bytes)
+    app = make_openai_app(EngineBackend(state, model_names[0]), state.api_key, lifespan=lifespan,
+                          max_body_bytes=state.limits.max_body_bytes, served_models=model_names)
     app.include_router(native_router(state))
 
     async def health_route() -> Any:
@@ -236,6 +282,7 @@ class ServeOptions:
     max_tokens_in_flight: int | None = None
     max_body_bytes: int | None = None
     kv_dtype: str = "auto"  # the engine's KV cache (LocalEngine kv_dtype)
+    served_model_names: tuple[str, ...] = ()  # what a request's `model` may be; () : the --model argument
 
 
 def _limits(engine: Any, max_batch_size: int, options: ServeOptions) -> ServerLimits:
@@ -258,6 +305,9 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, dtype: str 
     relayrl.common.logs); uvicorn's follow `log_level` as any third-party library's do, so a request is not a
     line of the log unless debugging."""
     options = options or ServeOptions()
+    names = tuple(options.served_model_names) or (model,)
+    if not all(names):
+        raise ServeRefused("--served-model-name: a name must not be empty")
     weights_root = check_options(host, options.api_key, options.insecure, options.weights_root)
     path = resolve_model_path(model)
     dtype, why = resolve_dtype(dtype)
@@ -269,7 +319,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, dtype: str 
     try:
         state = ServerState(engine, load_tokenizer(path), path, _limits(engine, max_batch_size, options),
                             options.api_key, weights_root)
-        config = uvicorn.Config(build_app(state, model), host=host, port=port,
+        config = uvicorn.Config(build_app(state, names), host=host, port=port,
                                 log_level=third_party_level(log_level), lifespan="on",
                                 timeout_graceful_shutdown=5, server_header=False)
         RelayServer(config, state).run()

@@ -22,12 +22,16 @@ CYAN, BOLD, RESET = "\033[36m", "\033[1m", "\033[0m"
 
 
 def segments(sample: Sample, decode) -> list[dict[str, str]]:
-    """The response split into generated turns ("gen") and agent-inserted context ("ctx"), as text."""
+    """The response split into generated turns ("gen") and agent-inserted context ("ctx"), as text. A generated
+    turn that got a reward of its own (an environment's step, a reflection turn) carries it as "reward"."""
     out, pos = [], 0
     for turn in sample.turns:
         if turn.start > pos:
             out.append({"kind": "ctx", "text": decode(sample.response_ids[pos: turn.start])})
-        out.append({"kind": "gen", "text": decode(sample.response_ids[turn.start: turn.end])})
+        gen = {"kind": "gen", "text": decode(sample.response_ids[turn.start: turn.end])}
+        if turn.step_reward is not None:
+            gen["reward"] = turn.step_reward
+        out.append(gen)
         pos = turn.end
     if pos < len(sample.response_ids):
         out.append({"kind": "ctx", "text": decode(sample.response_ids[pos:])})
@@ -54,6 +58,8 @@ def render(rec: dict[str, Any], colour: bool = True) -> str:
     body = [c(BOLD, head), c(DIM + YELLOW, rec["prompt"])]
     for seg in rec["segments"]:
         body.append(c(GREEN if ok else RED, seg["text"]) if seg["kind"] == "gen" else c(CYAN, seg["text"]))
+        if "reward" in seg:
+            body.append(c(DIM, f" [turn reward {seg['reward']:g}]"))
     if rec.get("error"):
         body.append(c(RED, f"error: {rec['error']}"))
     return body[0] + "\n" + "".join(body[1:]) + "\n"

@@ -138,7 +138,7 @@ class TrainEngine:
         With gradient checkpointing the heap is trimmed after the forward and after the backward (on the
         CPU: glibc's malloc_trim). Their temporaries are blocks of one to tens of MB, which glibc keeps in its heap once
         freed, and micro-batches of varying lengths leave holes the next one cannot reuse, so resident memory creeps
-        up micro-batch after micro-batch; trimmed, the training peak is lower (bench/train_memory_trace.py). The
+        up micro-batch after micro-batch; trimmed, the training peak is lower (bench/memory.py train_memory_trace). The
         price is page faults: every block the next pass allocates is fresh memory, so small ops slow down and a fit
         takes somewhat longer (docs/benchmarks.md, "Where a fit paged: the head's chunks, the embedding's gradient,
         the trims"). So the trims come with checkpointing, the setting that

@@ -22,8 +22,8 @@ stochastically, unbiased as the second moment is.
 On the CPU the step runs in a small C kernel (`kernels/adamw_bf16.c`, built once per machine by
 relayrl.common.cbuild): one pass over each parameter instead of ~15 over fp32 slices, with the rounding noise
 hashed from (step, parameter, element) instead of drawn by torch.randint, which makes the step many times
-faster (bench/optim_step.py; docs/benchmarks.md, "The optimizer step: bf16-moment AdamW in C"). Elsewhere (GPU, DTensor
-shards, no compiler, RELAYRL_KERNELS=0) the PyTorch slices below do the same arithmetic.
+faster (bench/kernels.py optim_step; docs/benchmarks.md, "The optimizer step: bf16-moment AdamW in C"). Elsewhere
+(GPU, DTensor shards, no compiler, RELAYRL_KERNELS=0) the PyTorch slices below do the same arithmetic.
 """
 
 from __future__ import annotations

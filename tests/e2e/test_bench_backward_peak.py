@@ -1,4 +1,5 @@
-"""bench/backward_peak.py on a tiny shape: every part of every micro-batch is marked, in order, and recorded."""
+"""`bench/memory.py backward_peak` on a tiny shape: every part of every micro-batch is marked, in order, and
+recorded."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ PARTS = ["forward", "lm_head_backward", "layers_backward", "embedding_backward"]
 
 
 def test_each_micro_batch_is_marked_part_by_part(tmp_path):
-    r = run_bench("backward_peak.py", "--size", "tiny-a", "--steps", "2", out=tmp_path / "peak.json",
+    r = run_bench("memory.py", "backward_peak", "--size", "tiny-a", "--steps", "2", out=tmp_path / "peak.json",
                   env={"MALLOC_MMAP_THRESHOLD_": "1048576"})
     assert r["size"] == "tiny-a" and r["malloc_mmap_threshold"] == "1048576" and "torch_cpu_capability" in r["machine"]
     assert [s["step"] for s in r["steps"]] == [1, 2]

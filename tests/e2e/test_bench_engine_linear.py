@@ -1,5 +1,5 @@
-"""bench/engine_linear.py --quick: both linear libraries measured at decode shapes, and a real engine generating with
-each (subprocesses), on the tiny model."""
+"""`bench/kernels.py engine_linear --quick`: both linear libraries measured at decode shapes, and a real engine
+generating with each (subprocesses), on the tiny model."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this PyTorch has no oneDNN")
 def test_both_libraries_are_measured_and_the_engine_runs_on_each():
-    proc = subprocess.run([sys.executable, "bench/engine_linear.py", "--quick"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run([sys.executable, "bench/kernels.py", "engine_linear", "--quick"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout[proc.stdout.index("{\n"):])
     assert {s: [run["linear"] for run in runs] for s, runs in r["runs"].items()} == {"default": ["default"],

@@ -1,4 +1,4 @@
-"""bench/fit_profile.py --quick: a real fit of the tiny model profiled, its self time grouped, its matmul FLOPs
+"""`bench/train.py fit_profile --quick`: a real fit of the tiny model profiled, its self time grouped, its matmul FLOPs
 counted and set against this machine's matmul rate."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from bench_for_tests import run_bench
 
 
 def test_a_profiled_fit_is_grouped_and_its_matmuls_counted(tmp_path):
-    r = run_bench("fit_profile.py", "--quick", out=tmp_path / "profile.json")
+    r = run_bench("train.py", "fit_profile", "--quick", out=tmp_path / "profile.json")
     assert "torch_cpu_capability" in r["machine"] and r["settings"]["trained_tokens"] > 0
     assert r["settings"]["autocast_bf16"] is False and r["fit_s"] > 0 and r["profiled_fit_s"] > 0
     assert {"matmul", "elementwise", "other"} <= set(r["self_s"])

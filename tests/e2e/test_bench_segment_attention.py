@@ -1,5 +1,5 @@
-"""bench/segment_attention.py --quick: the shared-prompt attention kernel's forward and backward timed beside another
-build of its source (here the same file: both builds must run and be reported)."""
+"""`bench/kernels.py segment_attention --quick`: the shared-prompt attention kernel's forward and backward timed beside
+another build of its source (here the same file: both builds must run and be reported)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from relayrl.models import segments
 
 @pytest.mark.skipif(segments.load_kernel() is None, reason="no C compiler: the kernel did not build")
 def test_the_kernel_and_a_baseline_build_are_timed_on_one_and_two_row_micro_batches(tmp_path):
-    r = run_bench("segment_attention.py", "--quick", "--baseline-source", str(segments._SOURCE),
+    r = run_bench("kernels.py", "segment_attention", "--quick", "--baseline-source", str(segments._SOURCE),
                   out=tmp_path / "r.json")
     assert [c["rows"] for c in r["cases"]] == [1, 2]
     for c in r["cases"]:

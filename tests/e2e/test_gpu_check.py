@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh and its helper bench/random_model.py, on this machine (no GPU): the script must say that
+"""scripts/gpu_check.sh and its helper `bench/train.py random_model`, on this machine (no GPU): the script must say that
 CUDA is absent and succeed without running anything, and the helper must write a folder relayrl loads and runs."""
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def test_gpu_check_without_cuda_says_so_and_runs_nothing():
 
 def test_random_model_has_the_shape_and_tokenizer_and_generates(tiny_path, tmp_path):
     out = tmp_path / "random"
-    cmd = [sys.executable, "bench/random_model.py", "--shape", "tiny-a", "--tokenizer", tiny_path, "--out", str(out)]
+    cmd = [sys.executable, "bench/train.py", "random_model", "--shape", "tiny-a", "--tokenizer", tiny_path,
+           "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -51,7 +52,7 @@ def test_random_model_has_the_shape_and_tokenizer_and_generates(tiny_path, tmp_p
 def test_engine_step_parts_and_decode_profile_run_on_the_cpu(tiny_path, tmp_path):
     """The two probes that found the GPU's host-bound decode, on the tiny model: their parts add up and the
     profiles name real ops."""
-    r = run_bench("engine_step_parts.py", "--quick", "--profile", out=tmp_path / "parts.json")
+    r = run_bench("engine.py", "engine_step_parts", "--quick", "--profile", out=tmp_path / "parts.json")
     steps = r["decode_steps"]
     assert steps == r["workload"]["max_new_tokens"] - 1  # the first token of each sample comes from its prefill
     assert r["parts_s"]["forward_decode"] <= r["parts_s"]["decode_step"] <= r["worker_busy_s"] <= r["wall_s"]
@@ -60,7 +61,7 @@ def test_engine_step_parts_and_decode_profile_run_on_the_cpu(tiny_path, tmp_path
     assert (any(op["op"] in ("aten::mm", "aten::addmm") for op in r["profile"]["self_cpu_time_total"])
             or any("skinny" in f["function"] for f in r["profile"]["python_tottime"]))
     assert r["profile"]["python_tottime"]
-    cmd = [sys.executable, "bench/decode_profile.py", tiny_path, "cpu", "--batch", "4", "--context", "16"]
+    cmd = [sys.executable, "bench/engine.py", "decode_profile", tiny_path, "cpu", "--batch", "4", "--context", "16"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -147,8 +147,9 @@ def test_installed_wheel_runs_outside_the_checkout(installed):
 
 
 def test_every_module_imports_without_the_extras(installed):
-    """Only the HTTP servers need an extra (uvicorn: `relayrl serve`, the external agents' endpoint), and the
-    TextArena adapter its package (the envs extra): train, eval and the agents import on the core deps."""
+    """Only the HTTP servers need an extra (uvicorn: `relayrl serve`, the external agents' endpoint), the
+    TextArena adapter its package (the envs extra), and the verifiers runner verifiers (a program run by
+    .venv-verifiers' python, never imported by relayrl): train, eval and the agents import on the core deps."""
     walk = ("import importlib, json, pkgutil, relayrl\nfailed = {}\n"
             "for m in pkgutil.walk_packages(relayrl.__path__, 'relayrl.'):\n"
             "    try:\n        importlib.import_module(m.name)\n"
@@ -157,7 +158,8 @@ def test_every_module_imports_without_the_extras(installed):
     out = _run([str(installed["python"]), "-c", walk], cwd=installed["cwd"])
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout) == {"relayrl.serve.server": "uvicorn", "relayrl.agents.proxy": "uvicorn",
-                                      "relayrl.envs.textarena": "textarena"}
+                                      "relayrl.envs.textarena": "textarena",
+                                      "relayrl.envs.verifiers_runner": "verifiers"}
 
 
 def test_serve_without_its_extra_says_what_to_install(installed):

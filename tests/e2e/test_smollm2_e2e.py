@@ -27,7 +27,7 @@ def smol():
 
 
 # kv_dtype bfloat16: the engine attends over keys/values rounded to bf16, the trainer over fp32 ones: measured on
-# SmolLM2 at 96 tokens, max 0.04-0.06 / mean 0.005 (bench/kv_dtype_parity.py); a wrong read of the narrow cache
+# SmolLM2 at 96 tokens, max 0.04-0.06 / mean 0.005 (bench/engine.py kv_dtype_parity); a wrong read of the narrow cache
 # is off by nats
 @pytest.mark.parametrize("kv_dtype,max_diff,mean_diff", [("auto", 1e-3, 1e-4), ("bfloat16", 0.2, 0.02)])
 def test_engine_and_trainer_logprobs_agree_on_real_prompts(smol, kv_dtype, max_diff, mean_diff):

@@ -1,7 +1,7 @@
 """examples/calculator_tools.yaml as a user runs it, on the tiny model: the user's own `calculate` function is
 offered to the model (its schema-made description in the prompt), a step trains with the tool-call metrics logged,
-the run without the tool (bench/tool_learning.py's overrides) offers none, and a call the model writes reaches the
-user's function and its result comes back into the episode."""
+the run without the tool (bench/learning.py tool_learning's overrides) offers none, and a call the model writes
+reaches the user's function and its result comes back into the episode."""
 
 import asyncio
 from pathlib import Path
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "examples" / "calculator_tools.yaml")
 OFFERED = "- calculate(expression): Compute an integer arithmetic expression exactly"
 NO_TOOL = ["agent.kind=single_turn", "agent.kwargs={}", "data.train.kwargs.shots=answer",
-           "data.eval.kwargs.shots=answer"]  # as bench/tool_learning.py runs the comparison
+           "data.eval.kwargs.shots=answer"]  # as bench/learning.py tool_learning runs the comparison
 
 
 @pytest.fixture

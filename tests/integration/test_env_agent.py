@@ -8,7 +8,7 @@ import time
 import pytest
 from bounds import bound
 from engines_for_tests import RecordingController
-from envs_for_tests import EchoEnv, ParityEnv
+from envs_for_tests import ClosingEnv, EchoEnv, ParityEnv
 
 from relayrl.agents.chat import continuation_ids
 from relayrl.agents.env import EnvAgent
@@ -124,6 +124,19 @@ def test_an_environment_that_raises_costs_its_episode_only(parts):
         assert s.reward in (0.0, 1.0) and len(s.turns) in (1, 2)
 
 
+def test_close_runs_after_every_episode_and_its_failure_costs_nothing(parts):
+    tok, engine, _ = parts
+    ClosingEnv.closed.clear()
+    agent = EnvAgent(RolloutController([engine]), tok, SAMPLING, env=ClosingEnv, max_turns=2)
+    done = play(agent, samples(2, "What is BAD?") + samples(2))
+    assert [s.status for s in done] == [Status.FAILED] * 2 + [Status.COMPLETED] * 2
+    assert sorted(ClosingEnv.closed) == sorted(s.data["question"] for s in done)  # failed episodes are closed too
+    failing = EnvAgent(RolloutController([engine]), tok, SAMPLING, env=ClosingEnv, env_kwargs={"fail_close": True},
+                       max_turns=2)
+    for s in play(failing, samples(2)):
+        assert s.status == Status.COMPLETED and s.metrics["env_close_failed"] == 1.0
+
+
 def test_a_hanging_environment_times_out(parts):
     tok, engine, _ = parts
     agent = EnvAgent(RolloutController([engine]), tok, SAMPLING, env="envs_for_tests:HangingEnv", env_timeout=0.5)
@@ -189,6 +202,9 @@ def test_training_steps_through_the_loop(tiny_run, tmp_path, env):
     logged = [rec for f in (tmp_path / "t" / "trajectories").glob("*/monitor.jsonl") for rec in read_jsonl(f)]
     completed = [rec for rec in logged if rec["status"] == "archived"]  # trained on
     assert completed and {rec["turns"] for rec in completed} <= {1, 2}
+    for rec in completed:  # each generated turn logs the reward step gave it
+        assert [seg["reward"] for seg in rec["segments"] if seg["kind"] == "gen"] in ([0.0], [1.0], [0.0, 0.0],
+                                                                                     [0.0, 1.0])
     if env.endswith("MathFeedbackEnv"):  # a random tiny model is never right: every episode gets its retry
         assert {rec["turns"] for rec in completed} == {2}
         assert any("reflect on it and try again" in seg["text"] for rec in completed for seg in rec["segments"])

@@ -22,7 +22,7 @@ ANSWERS = [str(2 * i) for i in range(6)]
 
 @pytest.fixture(scope="module")
 def upstream(tiny_path, tmp_path_factory):
-    server = Server(tiny_path, tmp_path_factory.mktemp("serve") / "serve.log")
+    server = Server(tiny_path, tmp_path_factory.mktemp("serve") / "serve.log", "--served-model-name", "tiny")
     try:
         yield server.wait_ready() + "/v1"
     finally:
@@ -95,6 +95,7 @@ def test_in_the_judge_a_timeout_costs_only_its_batch_and_none_only_its_term(prox
         assert reward == 0.0 and metrics["judge_failed"] == 1.0 and "helpful" in error and "Timeout" in error
     for reward, metrics, error in out[2:]:
         assert error is None and metrics["reward/helpful"] == 7.0 and "reward/strict" not in metrics
+        assert metrics["reward_none/strict"] == 1.0 and "reward_none/helpful" not in metrics
         assert reward == pytest.approx(7.0 + len("answer 2") / 10)
     asked = [str(body["messages"]) for body in proxy.bodies]
     for p in prompts[2:]:  # the fast batch: helpful and strict each asked once per sample

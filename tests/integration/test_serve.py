@@ -34,8 +34,9 @@ def weights_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def servers(tiny_path, tmp_path_factory, weights_root):
     logs = tmp_path_factory.mktemp("serve")
-    both = {"main": Server(tiny_path, logs / "main.log", "--weights-root", str(weights_root)),
-            "key": Server(tiny_path, logs / "key.log", "--api-key", KEY)}
+    names = ("--served-model-name", tiny_path, "tiny")  # requests name the model "tiny"; responses the first name
+    both = {"main": Server(tiny_path, logs / "main.log", "--weights-root", str(weights_root), *names),
+            "key": Server(tiny_path, logs / "key.log", "--api-key", KEY, *names)}
     yield both
     codes = {name: s.stop() for name, s in both.items()}
     for s in both.values():  # reaped: no orphan left behind
@@ -263,7 +264,7 @@ def test_openai_completions(url, local, tiny_path):
                                           extra_body={"return_token_ids": True})
     assert text.choices[0].model_extra["prompt_token_ids"] == tok("The answer is")["input_ids"]
     assert text.choices[0].logprobs is None
-    assert [m.id for m in client(url).models.list().data] == [tiny_path]
+    assert [m.id for m in client(url).models.list().data] == [tiny_path, "tiny"]
 
 
 # ---- errors, auth, shutdown ------------------------------------------------------------------------------
@@ -278,7 +279,7 @@ BAD = [
     ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
     ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": "8"}}, "max_new_tokens"),
     ("/generate", {"input_ids": [1], "sampling_params": {"frobnicate": 1}}, "frobnicate"),
-    ("/generate", {"input_ids": [1], "sampling_params": {"stop": ["x"]}}, "stop"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"stop": [""]}}, "stop"),
     ("/generate", {"input_ids": [1], "sampling_params": {"repetition_penalty": 1.2}}, "repetition_penalty"),
     ("/generate", {"input_ids": [[1], [2]], "rid": ["a"]}, "rid"),
     ("/generate", {"input_ids": [1], "stream": True}, "stream"),
@@ -286,7 +287,7 @@ BAD = [
     ("/pause_generation", {"mode": "sideways"}, "mode"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ["\n"]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
 ]

@@ -66,7 +66,8 @@ def test_a_written_out_step_that_differs_from_the_hf_forward_or_fails_is_dropped
 def test_models_it_does_not_cover_are_named(tiny_path):
     model = load_model(tiny_path, dtype="float32")
     assert direct.why_not(model) is None
-    for key, value, words in [("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "changes with the length"),
+    for key, value, words in [("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+                               "changes with the length"),
                               ("hidden_act", "gelu", "activation"), ("model_type", "gemma", "model type")]:
         other = copy.copy(model)
         other.config = copy.deepcopy(model.config)

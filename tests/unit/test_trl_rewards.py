@@ -21,6 +21,7 @@ import trl_rewards_for_tests as trl  # noqa: E402
 from relayrl.config import ConfigError  # noqa: E402
 from relayrl.config.schema import load_run_config  # noqa: E402
 from relayrl.judge import BATCHED, ROW, Judge, arguments_problem, math_reward, style_of  # noqa: E402
+from relayrl.run.evaluator import rollout_metrics  # noqa: E402
 from relayrl.sample import Sample  # noqa: E402
 
 M = "trl_rewards_for_tests:"
@@ -74,6 +75,10 @@ def test_weighted_sum_none_and_per_function_metrics(mixed: Judge):
                                             "reward/answer_reward": 1.0, "reward/parity_reward": 0.0, "correct": 0.0,
                                             "reward": 3.15, "judge_failed": 0.0})
     assert "reward/answer_reward" not in out[2].metrics  # None: no value, not a zero
+    assert out[2].metrics["reward_none/answer_reward"] == 1.0  # but counted, per function
+    rollout = rollout_metrics(out)
+    assert rollout["rollout/reward_none/answer_reward_mean"] == pytest.approx(1 / 3)
+    assert rollout["rollout/reward/answer_reward_mean"] == pytest.approx(0.0 / 2 + 1.0 / 2)  # where it gave one
     assert all(s.error is None and _rejected(s) is None for s in out)
 
 

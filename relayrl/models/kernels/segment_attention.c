@@ -14,7 +14,7 @@
  * flash attention does), so nothing of size [queries x keys] outlives a query block. Backward takes blocks of 8
  * positions of one segment (x G query heads) at a time and walks their keys in blocks of 16, so keys, values and
  * their gradients come from L2 once per block instead of once per query (backward 2.4-2.9x the first version's speed
- * at the GRPO bench's shapes as AVX2, forward 1.5-1.7x: bench/segment_attention.py, docs/benchmarks.md, "The
+ * at the GRPO bench's shapes as AVX2, forward 1.5-1.7x: bench/kernels.py segment_attention, docs/benchmarks.md, "The
  * shared-prompt attention's backward in blocks").
  *
  * Layouts (fp32, contiguous): q, dq [R, KVH * G, L, D]; k, v, dk, dv [R, KVH, L, D]; out, dout [R, L, KVH * G, D]

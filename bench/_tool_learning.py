@@ -1,20 +1,4 @@
-#!/usr/bin/env python
-"""Does learning to use your own tool pay? The calculator example trained with the tool and without, per step.
-
-Runs `relayrl train --config examples/calculator_tools.yaml` twice as a user would, one after the other (never at
-once: they would share the cores and both timings would be wrong): once as shipped (ToolAgent with the user's
-`calculate` function, the worked examples showing calls) and once without the tool (the single-turn agent, the
-same questions with the same worked examples answered directly). Each run's metrics.jsonl gives, per step,
-success (the rollouts' pass rate; held-out pass@1 at the evaluations), tool calls per episode
-(`rollout/tool_calls_mean`, counted by ToolAgent for each sample), tool errors and turns per episode.
-
-Writes bench/results/tool_learning.json (with the machine, the load before each run, wall time and peak memory of
-each run) and docs/img/tool_learning.png (the curves). Overrides after the options go to both runs and make it a
-check that is not recorded unless --out is given.
-
-    .venv/bin/python bench/tool_learning.py                        # the recorded comparison (~16 min, 2 cores)
-    .venv/bin/python bench/tool_learning.py run.steps=2 eval.size=8  # a quick check (not recorded)
-"""
+"""The calculator example trained with the user's tool and without (`bench/learning.py tool_learning`)."""
 
 from __future__ import annotations
 
@@ -32,17 +16,17 @@ from relayrl.common.utils import read_jsonl
 # What the run without the tool changes: one turn, no tool, the worked examples answered directly.
 NO_TOOL = ["agent.kind=single_turn", "agent.kwargs={}", "data.train.kwargs.shots=answer",
            "data.eval.kwargs.shots=answer", "run.name=calculator_no_tools"]
-SIDES = {"tool": [], "no_tool": NO_TOOL}
+TOOL_SIDES = {"tool": [], "no_tool": NO_TOOL}
 STEP_KEYS = {"pass_rate": "rollout/pass_rate", "reward": "rollout/reward_mean", "tool_calls": "rollout/tool_calls_mean",
              "tool_errors": "rollout/tool_errors_mean", "turns": "rollout/turns_mean",
              "response_len": "rollout/response_len_mean", "step_s": "time/step_s", "rollout_s": "time/rollout_s",
              "train_s": "time/train_s"}
-EVAL_KEYS = {"pass@1": "eval/pass@1", "tool_calls": "eval/tool_calls_mean", "tool_errors": "eval/tool_errors_mean",
+TOOL_EVAL_KEYS = {"pass@1": "eval/pass@1", "tool_calls": "eval/tool_calls_mean", "tool_errors": "eval/tool_errors_mean",
              "turns": "eval/turns_mean", "samples": "eval/samples", "eval_s": "time/eval_s"}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def tool_args(argv: list[str]) -> argparse.Namespace:
+    p = _common.parser("tool_learning", tool_learning.__doc__)
     p.add_argument("--config", default="examples/calculator_tools.yaml")
     p.add_argument("--sides", default="tool,no_tool", help="which runs, in order (tool, no_tool)")
     p.add_argument("--out", help="result file (default bench/results/tool_learning.json; with overrides: none)")
@@ -67,7 +51,7 @@ def curves(run_dir: Path) -> dict:
     rows = read_jsonl(run_dir / "metrics.jsonl")
     steps = [{"step": r["step"], **{k: round(r[m], 4) for k, m in STEP_KEYS.items() if m in r}}
              for r in rows if "train/loss" in r]
-    evals = [{"step": r["step"], **{k: round(r[m], 4) for k, m in EVAL_KEYS.items() if m in r}}
+    evals = [{"step": r["step"], **{k: round(r[m], 4) for k, m in TOOL_EVAL_KEYS.items() if m in r}}
              for r in rows if "eval/pass@1" in r]
     peak = max((r["mem/peak_rss_gb"] for r in rows if "mem/peak_rss_gb" in r), default=None)
     return {"steps": steps, "evals": evals, "trainer_peak_rss_gb": None if peak is None else round(peak, 3)}
@@ -125,8 +109,24 @@ def plot(result: dict, out: Path) -> Path:
     return out
 
 
-def main() -> None:
-    a = parse_args()
+def tool_learning(argv: list[str]) -> None:
+    """Does learning to use your own tool pay? The calculator example trained with the tool and without, per step.
+
+    Runs `relayrl train --config examples/calculator_tools.yaml` twice as a user would, one after the other (never at
+    once: they would share the cores and both timings would be wrong): once as shipped (ToolAgent with the user's
+    `calculate` function, the worked examples showing calls) and once without the tool (the single-turn agent, the
+    same questions with the same worked examples answered directly). Each run's metrics.jsonl gives, per step,
+    success (the rollouts' pass rate; held-out pass@1 at the evaluations), tool calls per episode
+    (`rollout/tool_calls_mean`, counted by ToolAgent for each sample), tool errors and turns per episode.
+
+    Writes bench/results/tool_learning.json (with the machine, the load before each run, wall time and peak memory of
+    each run) and docs/img/tool_learning.png (the curves). Overrides after the options go to both runs and make it a
+    check that is not recorded unless --out is given.
+
+        .venv/bin/python bench/learning.py tool_learning                    # the recorded comparison (~16 min, 2 cores)
+        .venv/bin/python bench/learning.py tool_learning run.steps=2 eval.size=8  # a quick check (not recorded)
+    """
+    a = tool_args(argv)
     record = not a.overrides
     result = {**_common.result_header("tool_learning"), "config": a.config, "overrides": a.overrides,
               "no_tool_overrides": NO_TOOL, "sides": {}}
@@ -135,7 +135,7 @@ def main() -> None:
             load = _common.load_before_run()
             out_dir = Path(tmp) / name
             out_dir.mkdir()
-            run = run_side(a.config, [*SIDES[name], *a.overrides], str(out_dir))
+            run = run_side(a.config, [*TOOL_SIDES[name], *a.overrides], str(out_dir))
             side = {"load_before": load, **{k: v for k, v in run.items() if k != "run_dir"}, **curves(run["run_dir"])}
             side["summary"] = summary(side)
             result["sides"][name] = side
@@ -147,7 +147,3 @@ def main() -> None:
     out = a.out or ("bench/results/tool_learning.json" if record else None)
     if out:
         _common.write_json(_common.REPO / out, result)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,24 +1,10 @@
 #!/usr/bin/env python
-"""Training throughput, packed vs padded: tokens/s of one GRPO optimizer step on the same batches.
+"""The training step: `bench/train.py COMMAND` (`COMMAND --help` for its options).
 
-Variants (same samples, same TrainController path: advantages, loss, backward, clip, AdamW step):
-- packed: the Packer as relayrl trains by default (a GRPO group shares one prompt copy per row,
-  rows sorted by length and cut into micro-batches of at most --micro-batch-tokens padded tokens),
-  each response attending to its prompt and itself only (relayrl.models.segments);
-- dense: the same rows through SDPA with the dense [rows, L, L] mask (how packed rows attended before);
-- sorted: the Packer without prompt sharing (one sequence per row, length-sorted micro-batches);
-- padded: the usual baseline (TRL-style): one sequence per row, --padded-rows rows per micro-batch in
-  batch order, every row padded to the longest sequence of the batch.
-tokens/s counts real sequence tokens (prompt + response of every sample), the same numerator for all.
-
-Workload: GSM8K train questions with relayrl's default prompt (chat template + boxed-answer suffix),
-response lengths drawn from a lognormal (median --resp-median, sigma --resp-sigma, capped at
---max-new-tokens; SmolLM2 at T=1 on GSM8K) filled with random token ids. The learning rate is 1e-12 so
-every variant trains the same weights at every step (losses must agree) while doing the full work.
-
-    .venv/bin/python bench/train_step.py            # full run: SmolLM2-135M, 8 prompts x 8, bf16 autocast
-    .venv/bin/python bench/train_step.py --quick    # smoke run on the tiny random model (seconds)
-    .venv/bin/python bench/train_step.py --device cuda --out bench/results/gpu_train_step.json
+train_step times one GRPO optimizer step on the same batches laid out four ways; train_settings and fit_profile
+(bench/_train_runs.py) time the README job's fit under different settings and profile it; random_model writes a
+model folder of a real shape with random weights for the other benches. Each command's docstring says what it
+measures and how.
 """
 
 from __future__ import annotations
@@ -35,12 +21,14 @@ import tempfile
 import time
 
 import _common
+from _train_runs import fit_profile, random_model, train_settings
 
 VARIANTS = ("packed", "dense", "sorted", "padded")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+# ---- train_step ------------------------------------------------------------------------------------------------
+def train_step_args(argv: list[str]) -> argparse.Namespace:
+    p = _common.parser("train_step", train_step.__doc__)
     p.add_argument("--model", default="smollm2", help="model folder or relayrl alias")
     p.add_argument("--prompts", type=int, default=8, help="prompts per batch")
     p.add_argument("--group", type=int, default=8, help="samples per prompt (GRPO group size)")
@@ -176,8 +164,29 @@ def summarize(steps: list[dict]) -> dict:
             "forwarded_vs_sequence_tokens": forwarded / tokens, "loss": [s["loss"] for s in steps]}
 
 
-def main() -> None:
-    a = parse_args()
+def train_step(argv: list[str]) -> None:
+    """Training throughput, packed vs padded: tokens/s of one GRPO optimizer step on the same batches.
+
+    Variants (same samples, same TrainController path: advantages, loss, backward, clip, AdamW step):
+    - packed: the Packer as relayrl trains by default (a GRPO group shares one prompt copy per row,
+      rows sorted by length and cut into micro-batches of at most --micro-batch-tokens padded tokens),
+      each response attending to its prompt and itself only (relayrl.models.segments);
+    - dense: the same rows through SDPA with the dense [rows, L, L] mask (how packed rows attended before);
+    - sorted: the Packer without prompt sharing (one sequence per row, length-sorted micro-batches);
+    - padded: the usual baseline (TRL-style): one sequence per row, --padded-rows rows per micro-batch in
+      batch order, every row padded to the longest sequence of the batch.
+    tokens/s counts real sequence tokens (prompt + response of every sample), the same numerator for all.
+
+    Workload: GSM8K train questions with relayrl's default prompt (chat template + boxed-answer suffix),
+    response lengths drawn from a lognormal (median --resp-median, sigma --resp-sigma, capped at
+    --max-new-tokens; SmolLM2 at T=1 on GSM8K) filled with random token ids. The learning rate is 1e-12 so
+    every variant trains the same weights at every step (losses must agree) while doing the full work.
+
+        .venv/bin/python bench/train.py train_step          # full run: SmolLM2-135M, 8 prompts x 8, bf16 autocast
+        .venv/bin/python bench/train.py train_step --quick  # smoke run on the tiny random model (seconds)
+        .venv/bin/python bench/train.py train_step --device cuda --out bench/results/gpu_train_step.json
+    """
+    a = train_step_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from relayrl.models import resolve_model_path, tiny_model
 
@@ -207,5 +216,9 @@ def main() -> None:
     _common.write_json(a.out, result)
 
 
+
+COMMANDS = {"train_step": train_step, "train_settings": train_settings, "fit_profile": fit_profile,
+            "random_model": random_model}
+
 if __name__ == "__main__":
-    main()
+    _common.dispatch(__doc__, COMMANDS)
