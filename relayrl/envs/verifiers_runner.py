@@ -43,9 +43,21 @@ def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# harnesses that only chat: any other (verifiers' default `bash`, tool harnesses) runs model-written code, which
+# must not run as a plain local process
+CHAT_ONLY_HARNESSES = ("null",)
+
+
 def load_env(taskset_id: str, overrides: dict[str, Any]) -> vf.Env:
     base = {"taskset": {"id": taskset_id}, "agent": {"runtime": {"type": "subprocess"}}}
-    return vf.load_environment(vf.resolve_env_config(merged(base, overrides)))
+    config = vf.resolve_env_config(merged(base, overrides))
+    agent = config.model_dump().get("agent") or {}
+    harness = (agent.get("harness") or {}).get("id") or "the taskset's default (bash)"
+    if (agent.get("runtime") or {}).get("type") == "subprocess" and harness not in CHAT_ONLY_HARNESSES:
+        raise SystemExit(f"verifiers harness {harness!r} runs model-written code, and the runtime is a local "
+                         "subprocess: set env_config.agent.runtime to a container runtime, or use the chat-only "
+                         "harness (env_config: {agent: {harness: {id: \"null\"}}})")
+    return vf.load_environment(config)
 
 
 def row_task(env: vf.Env, row: dict[str, Any]) -> vf.Task:

@@ -85,7 +85,8 @@ def test_a_run_trains_one_step_on_a_verifiers_environment(tiny_run):
 @pytest.mark.parametrize("kwargs, message", [
     ({"env": "no_such_taskset"}, "agent.kwargs.env: verifiers could not load 'no_such_taskset'"),
     ({"python": "/nonexistent/python"}, "agent.kwargs.python: /nonexistent/python does not exist"),
-    ({"env": ""}, "agent.kwargs.env is required")])
+    ({"env": ""}, "agent.kwargs.env is required"),
+    ({"env_config": {}}, "runs model-written code, and the runtime is a local subprocess")])  # bash by default
 def test_bad_options_are_named_before_any_model_loads(tiny_run, kwargs, message):
     with pytest.raises(InputError, match=message):
         check_user_code(tiny_run(**{"agent.kind": "verifiers", "agent.kwargs": KWARGS | kwargs}))
