@@ -27,7 +27,7 @@ from relayrl.agents.base import Agent
 from relayrl.agents.chat import continuation_ids, end_of_turn_id
 from relayrl.agents.reflection import turn_returns
 from relayrl.common.utils import import_from_path
-from relayrl.engine.base import GenOutput, SamplingParams
+from relayrl.engine.base import GenOutput, SamplingParams, TokenCallback
 from relayrl.judge import REJECTED_PREFIX
 from relayrl.sample import Sample, Status
 from relayrl.serve.openai_api import chat_response, make_openai_app
@@ -118,13 +118,15 @@ class RecordingBackend:
                               top_p=float(body.get("top_p", s.top_p)), top_k=s.top_k,
                               stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, seed=body.get("seed"))
 
-    async def chat(self, body: dict[str, Any], sid: str | None) -> dict[str, Any]:
+    async def chat(self, body: dict[str, Any], sid: str | None, on_token: TokenCallback | None = None
+                   ) -> dict[str, Any]:
+        """Serve and record one call; `on_token` streams its tokens as they are sampled (the episode proxy)."""
         if sid not in self.sessions:
             raise KeyError(f"unknown session {sid!r}")
         session = self.sessions[sid]
         messages = [dict(m) for m in body["messages"]]
         prompt_ids = self.prompt_ids(session, messages, body.get("tools"))
-        out = await self.rollout_ctl.generate(prompt_ids, self.params(body), rid=sid)
+        out = await self.rollout_ctl.generate(prompt_ids, self.params(body), rid=sid, on_token=on_token)
         text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
         parsed = [c for c in parse_tool_calls(text) if isinstance(c, dict)] if body.get("tools") else []
         tool_calls = [{"id": f"call_{sid}_{len(session.calls)}_{i}", "type": "function",

@@ -16,22 +16,21 @@ generated tokens per episode; a call past either is answered 429 and fails the e
 most `per_call_tokens` (the run's `sampling.max_new_tokens`): a program's `max_tokens` may lower it, not raise it;
 temperature and top_p are always the run's (the trainer recomputes logprobs at the run's temperature).
 
-`stream: true` is answered with server-sent events in OpenAI's chat.completion.chunk format, sent once the
-completion is generated (a role chunk, the content, tool calls, the finish reason, usage when
-`stream_options.include_usage`, then `[DONE]`): clients and frameworks that stream work, without token-by-token
-latency.
+`stream: true` streams token by token with `relayrl serve`'s code (relayrl.serve.streaming): OpenAI's
+chat.completion.chunk events as the engine samples the tokens (the rollout controller hands them on), the content
+up to where a `<tool_call>` starts, the parsed tool calls and the finish reason at the end, usage when
+`stream_options.include_usage`, then `[DONE]`. The call is recorded exactly as an unstreamed one; a refusal that
+comes before the first token (the caps, a malformed request) is the same HTTP error as an unstreamed call's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from relayrl.agents.openai_agent import RecordingBackend, Session
+from relayrl.engine.base import GenOutput, TokenCallback
 from relayrl.serve.errors import (
     ApiError,
     BadRequest,
@@ -48,7 +48,8 @@ from relayrl.serve.errors import (
     internal_error,
     read_json,
 )
-from relayrl.serve.limits import DEFAULT_MAX_BODY, flag
+from relayrl.serve.limits import DEFAULT_MAX_BODY
+from relayrl.serve.streaming import Answer, ChatChunks, Choice, IncrementalText, Stream, stream_options
 
 _RUN_OWNS = ("max_completion_tokens", "temperature", "top_p")  # set by the run, not by a program's call
 
@@ -142,11 +143,10 @@ class EpisodeProxy:
             try:
                 ep = self._episode(eid, request)
                 body = await read_json(request, self.max_body_bytes)
-                stream = flag(body, "stream", False)
-                fut = asyncio.run_coroutine_threadsafe(self._serve(ep, body), ep.loop)
-                ep.pending.add(fut)
-                fut.add_done_callback(ep.pending.discard)
-                reply = await asyncio.wrap_future(fut)
+                usage = stream_options(body)
+                if usage is not None:
+                    return await self._stream(ep, body, usage)
+                reply, _ = await asyncio.wrap_future(self._call(ep, body))
             except EpisodeFailed as e:
                 return api_error_response(ApiError(429, None, str(e), "episode_limit_exceeded"))
             except ApiError as e:
@@ -155,8 +155,6 @@ class EpisodeProxy:
                 return api_error_response(ApiError(404, None, "the episode finished", "episode_not_found"))
             except Exception as e:
                 return internal_error(request, e)
-            if stream:
-                return StreamingResponse(sse_chunks(reply, body), media_type="text/event-stream")
             return JSONResponse(reply)
 
         @app.get("/ep/{eid}/v1/models")
@@ -167,9 +165,62 @@ class EpisodeProxy:
 
         return app
 
+    def _call(self, ep: Episode, body: dict[str, Any],
+              on_token: TokenCallback | None = None) -> concurrent.futures.Future:
+        """Serve the call in its episode's loop (`_serve`); closing the episode cancels it."""
+        fut = asyncio.run_coroutine_threadsafe(self._serve(ep, body, on_token), ep.loop)
+        ep.pending.add(fut)
+        fut.add_done_callback(ep.pending.discard)
+        return fut
+
+    async def _stream(self, ep: Episode, body: dict[str, Any], usage: bool) -> Response:
+        """Serve a streamed call (module doc): the response starts once its first token is sampled, so a refusal
+        before that is answered as an unstreamed call's; a client that hangs up cancels the call."""
+        loop, tok = asyncio.get_running_loop(), self.backend.tokenizer
+        answer = Answer(lambda ids: [tok.decode([t]) for t in ids], lambda alts: [], bool(body.get("logprobs")),
+                        False, bool(body.get("return_token_ids")))
+        served: dict[str, Any] = {}  # the call's reply, once served
+        chunks = _CallChunks(answer, lambda out, params: _reply_parts(served))
+        text = IncrementalText(lambda ids: tok.decode(ids, skip_special_tokens=True), (),
+                               "<tool_call>" if body.get("tools") else None)
+        choice = Choice(0, [], self.backend.sampling, text)
+        stream = Stream(f"chatcmpl-{secrets.token_hex(12)}", self.backend.model_name, chunks, [choice], usage, 0)
+        started, listener, out = asyncio.Event(), stream.listener(0), loop.create_future()
+
+        def on_token(token: int, logprob: float, top: list[tuple[int, float]] | None) -> None:
+            listener(token, logprob, top)
+            loop.call_soon_threadsafe(started.set)
+
+        def done(f: asyncio.Future) -> None:
+            started.set()
+            if f.cancelled():
+                out.cancel()
+            elif f.exception() is not None:
+                out.set_exception(f.exception())
+            else:
+                reply, gen = f.result()
+                served["reply"], choice.prompt = reply, reply["choices"][0].get("prompt_token_ids", [])
+                stream.prompt_tokens = reply["usage"]["prompt_tokens"]
+                out.set_result(gen)
+
+        call = self._call(ep, body, on_token)
+        asyncio.wrap_future(call).add_done_callback(done)
+        out.add_done_callback(lambda f: call.cancel() if f.cancelled() else None)  # the client went away
+        stream.start([out])
+        try:
+            await started.wait()
+        except asyncio.CancelledError:  # the client went away before the first token
+            out.cancel()
+            raise
+        if out.done():
+            out.result()  # a refusal (or the episode's end) before the first token: raised as an HTTP error
+        return StreamingResponse(stream.events(), media_type="text/event-stream")
+
     # ---- serving (episode loop) -------------------------------------------------------------------
-    async def _serve(self, ep: Episode, body: dict[str, Any]) -> dict[str, Any]:
-        """Check the caps, reserve the call's tokens, generate and record it (RecordingBackend.chat)."""
+    async def _serve(self, ep: Episode, body: dict[str, Any],
+                     on_token: TokenCallback | None = None) -> tuple[dict[str, Any], GenOutput]:
+        """Check the caps, reserve the call's tokens, generate and record it (RecordingBackend.chat); the reply
+        and the recorded output."""
         check_messages(body)
         if ep.failure is not None:
             raise EpisodeFailed(ep.failure)
@@ -185,9 +236,9 @@ class EpisodeProxy:
         body = {k: v for k, v in body.items() if k not in _RUN_OWNS} | {"max_tokens": n}
         used = 0
         try:
-            reply = await self.backend.chat(body, ep.session.sid)
+            reply = await self.backend.chat(body, ep.session.sid, on_token)
             used = reply["usage"]["completion_tokens"]
-            return reply
+            return reply, ep.session.calls[-1].out
         finally:
             ep.tokens -= n - used
 
@@ -212,23 +263,21 @@ def requested_tokens(body: dict[str, Any], default: int) -> int:
     return value
 
 
-def sse_chunks(reply: dict[str, Any], body: dict[str, Any]) -> Iterator[str]:
-    """A chat.completion as OpenAI's stream of chat.completion.chunk events (see the module docstring)."""
-    choice, message = reply["choices"][0], reply["choices"][0]["message"]
-    base = {"id": reply["id"], "object": "chat.completion.chunk", "created": reply["created"],
-            "model": reply["model"]}
+class _CallChunks(ChatChunks):
+    """A proxied call's chunks: its prompt's token ids are known once the call was served, so they come with the
+    finish rather than with the role."""
 
-    def event(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
-        chunk = base | {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish} | extra]}
-        return f"data: {json.dumps(chunk)}\n\n"
+    def first(self, c: Choice) -> dict[str, Any]:
+        return {k: v for k, v in super().first(c).items() if k != "prompt_token_ids"}
 
-    yield event({"role": "assistant", "content": ""})
-    ids = {k: choice[k] for k in ("prompt_token_ids", "token_ids") if k in choice}
-    yield event({"content": message.get("content") or ""}, logprobs=choice["logprobs"], **ids)
-    if message.get("tool_calls"):
-        yield event({"tool_calls": [c | {"index": i} for i, c in enumerate(message["tool_calls"])]})
-    yield event({}, choice["finish_reason"])
-    options = body.get("stream_options")
-    if isinstance(options, dict) and options.get("include_usage"):
-        yield f"data: {json.dumps(base | {'choices': [], 'usage': reply['usage']})}\n\n"
-    yield "data: [DONE]\n\n"
+    def last(self, c: Choice, out: GenOutput) -> list[dict[str, Any]]:
+        chunks = super().last(c, out)
+        if self.answer.with_ids:
+            chunks[-1]["prompt_token_ids"] = c.prompt
+        return chunks
+
+
+def _reply_parts(served: dict[str, Any]) -> tuple[str | None, list[dict[str, Any]] | None, str]:
+    """(content, tool_calls, finish_reason) of the served call's reply."""
+    choice = served["reply"]["choices"][0]
+    return choice["message"]["content"], choice["message"].get("tool_calls"), choice["finish_reason"]

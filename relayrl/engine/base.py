@@ -7,8 +7,16 @@ results). This is what keeps multi-turn trajectories token-exact.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+# A streaming request's listener (LocalEngine.submit's `on_token`): called on the engine's worker thread with each
+# token as it is sampled -- (token id, its logprob, its top_logprobs alternatives or None) -- before the engine
+# checks whether that token ends the request, so the last one comes too. It must return at once (hand the token
+# to another thread; relayrl.serve.streaming does) and never raise: one that raises is dropped, the request runs on.
+# The request's GenOutput is the same with or without one.
+TokenCallback = Callable[[int, float, "list[tuple[int, float]] | None"], None]
 
 
 @dataclass(frozen=True)
@@ -82,7 +90,8 @@ class InferenceEngine(Protocol):
     def version(self) -> int: ...
 
     async def agenerate(
-        self, input_ids: list[int], params: SamplingParams, rid: str | None = None
+        self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
+        on_token: TokenCallback | None = None,
     ) -> GenOutput: ...
 
     def update_weights(self, named_tensors, version: int) -> None: ...

@@ -48,7 +48,7 @@ from relayrl.common.device import avoid_cudnn_attention, model_device
 from relayrl.common.utils import release_openmp_threads
 from relayrl.engine import attention, direct, skinny
 from relayrl.engine import linear as engine_linear
-from relayrl.engine.base import GenOutput, SamplingParams
+from relayrl.engine.base import GenOutput, SamplingParams, TokenCallback
 from relayrl.engine.decode_graphs import StaticDecode
 from relayrl.engine.kv_cache import SlotKVCache
 from relayrl.engine.prefill import SharedStart, prefill
@@ -176,8 +176,10 @@ class LocalEngine:
     def version(self) -> int:
         return self._version
 
-    def submit(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> concurrent.futures.Future:
-        """Queue one generation; the future resolves to a GenOutput. `rid` names the trajectory (KV reuse, abort)."""
+    def submit(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
+               on_token: TokenCallback | None = None) -> concurrent.futures.Future:
+        """Queue one generation; the future resolves to a GenOutput. `rid` names the trajectory (KV reuse, abort).
+        `on_token` streams the request: it gets each token as it is sampled (relayrl.engine.base.TokenCallback)."""
         if not input_ids:
             raise ValueError("input_ids is empty")
         if params.stop_strings and self.decode is None:
@@ -191,7 +193,7 @@ class LocalEngine:
                              f"{self.kv_cache_bytes / 1e9:.4f} GB (engine.kv_cache_gb)")
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        seq = Seq(list(input_ids), params, concurrent.futures.Future(), stop, gen, rid=rid)
+        seq = Seq(list(input_ids), params, concurrent.futures.Future(), stop, gen, rid=rid, on_token=on_token)
         with self._cond:
             if self._closed:
                 raise RuntimeError("LocalEngine is closed")
@@ -200,9 +202,10 @@ class LocalEngine:
             self._cond.notify()
         return seq.future
 
-    async def agenerate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> GenOutput:
+    async def agenerate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
+                        on_token: TokenCallback | None = None) -> GenOutput:
         """Generate; cancelling the awaiting task frees the request's slot at the next step."""
-        return await asyncio.wrap_future(self.submit(input_ids, params, rid))
+        return await asyncio.wrap_future(self.submit(input_ids, params, rid, on_token))
 
     def submit_score(self, input_ids: list[int], top_k: int = 0, temperature: float = 1.0) -> concurrent.futures.Future:
         """Queue the scoring of `input_ids` under the current weights; the future resolves to (logprobs, alternatives):
@@ -609,7 +612,19 @@ class LocalEngine:
             if alternatives is not None and seq.params.top_logprobs:
                 seq.top_logprobs = seq.top_logprobs or []
                 seq.top_logprobs.append(alternatives[i])
+            if seq.on_token is not None:
+                self._stream(seq)
         self.stats["generated_tokens"] += len(seqs)
+
+    @staticmethod
+    def _stream(seq: Seq) -> None:
+        """Hand a streaming request its newest token. A listener that fails is dropped: its request (and the
+        others in the batch, which the worker would fail with it) runs on; the GenOutput still has every token."""
+        try:
+            seq.on_token(seq.out_ids[-1], seq.logprobs[-1], seq.top_logprobs[-1] if seq.top_logprobs else None)
+        except Exception:
+            log.warning("a streaming request's token listener failed; the request runs on unstreamed", exc_info=True)
+            seq.on_token = None
 
     def _finish_reason(self, seq: Seq) -> str | None:
         if seq.out_ids[-1] in seq.stop_ids:

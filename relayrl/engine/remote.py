@@ -41,7 +41,7 @@ import httpx
 import torch
 
 from relayrl.common.net import check_address
-from relayrl.engine.base import GenOutput, SamplingParams
+from relayrl.engine.base import GenOutput, SamplingParams, TokenCallback
 from relayrl.trainer.optim import rounded_to_bf16
 from relayrl.weights.transport import save_weights_version
 from relayrl.weights.weight_group import BACKENDS, DistributedSync
@@ -180,12 +180,17 @@ class RemoteEngine:
     def version(self) -> int:
         return self._version
 
-    async def agenerate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> GenOutput:
-        """Generate on the server; awaitable from any event loop (the HTTP call runs on the engine's own)."""
+    async def agenerate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
+                        on_token: TokenCallback | None = None) -> GenOutput:
+        """Generate on the server; awaitable from any event loop (the HTTP call runs on the engine's own).
+        `on_token` gets the tokens once the server answered (the server's answer is not streamed)."""
         if not input_ids:
             raise ValueError("input_ids is empty")
         run = self._generate_sglang if self.backend == "sglang" else self._generate_vllm
-        return await asyncio.wrap_future(self._submit(run(list(input_ids), params, rid)))
+        out = await asyncio.wrap_future(self._submit(run(list(input_ids), params, rid)))
+        for i, token in enumerate(out.output_ids if on_token is not None else []):
+            on_token(token, out.logprobs[i], out.top_logprobs[i] if out.top_logprobs else None)
+        return out
 
     async def _generate_sglang(self, input_ids: list[int], params: SamplingParams, rid: str | None) -> GenOutput:
         body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": _sglang_sampling(params),

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from relayrl.engine.base import GenOutput, InferenceEngine, SamplingParams
+from relayrl.engine.base import GenOutput, InferenceEngine, SamplingParams, TokenCallback
 
 # LocalEngine.stats that are running totals, read by RolloutController.engine_counters
 ENGINE_COUNTERS = ("generated_tokens", "prefill_tokens", "steps", "decode_rows", "busy_s")
@@ -68,9 +68,14 @@ class RolloutController:
                 self._sticky.popitem(last=False)
         return i
 
-    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> GenOutput:
-        """Generate, resubmitting interrupted generations (see the module docstring)."""
+    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
+                       on_token: TokenCallback | None = None) -> GenOutput:
+        """Generate, resubmitting interrupted generations (see the module docstring). `on_token` streams the
+        tokens (relayrl.engine.base.TokenCallback): as they are sampled with partial_rollout="continue" (a
+        resubmission goes on where the tokens stopped); at the end with "requeue", whose restarts from scratch
+        would take back tokens already handed out."""
         self.stats["requests"] += 1
+        live = on_token if self.partial_rollout == "continue" else None
         got = GenOutput([], [], [], "abort", len(input_ids))
         while True:
             left = params.max_new_tokens - len(got.output_ids)
@@ -78,12 +83,14 @@ class RolloutController:
             self._in_flight[i] += 1
             try:
                 out = await self.engines[i].agenerate(input_ids + got.output_ids,
-                                                      replace(params, max_new_tokens=left), rid)
+                                                      replace(params, max_new_tokens=left), rid, live)
             finally:
                 self._in_flight[i] -= 1
             got = GenOutput(got.output_ids + out.output_ids, got.logprobs + out.logprobs,
                             got.versions + out.versions, out.finish_reason, len(input_ids), out.meta)
             if out.finish_reason != "abort" or self._closing or len(got.output_ids) >= params.max_new_tokens:
+                for token, logprob in zip(got.output_ids, got.logprobs) if on_token and not live else ():
+                    on_token(token, logprob, None)
                 return got
             self.stats["resubmits"] += 1
             if self.partial_rollout == "requeue":

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from relayrl.engine.base import GenOutput, SamplingParams
+from relayrl.engine.base import GenOutput, SamplingParams, TokenCallback
 
 
 @dataclass
@@ -26,6 +26,7 @@ class Seq:
     refill: bool = False  # rebuild this sequence's KV before its next step (weights changed)
     stop_string: str | None = None  # the stop string its text came to contain (relayrl.engine.stops)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token, when params.top_logprobs > 0
+    on_token: TokenCallback | None = None  # a streaming request's listener (relayrl.engine.base.TokenCallback)
 
     @property
     def cost(self) -> int:

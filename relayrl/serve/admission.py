@@ -25,9 +25,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from relayrl.engine.base import GenOutput, SamplingParams
+from relayrl.engine.base import GenOutput, SamplingParams, TokenCallback
 
-Submit = Callable[[list[int], SamplingParams, str | None], concurrent.futures.Future]
+Submit = Callable[[list[int], SamplingParams, str | None, TokenCallback | None], concurrent.futures.Future]
 
 
 @dataclass(eq=False)
@@ -36,6 +36,7 @@ class _Sample:
     params: SamplingParams
     rid: str | None
     future: asyncio.Future  # what the request awaits
+    on_token: TokenCallback | None = None  # a streamed sample's listener (relayrl.serve.streaming)
     running: asyncio.Future | None = None  # the engine's, once handed over
 
     @property
@@ -59,13 +60,15 @@ class Admission:
         self.running = self.used = 0
         self._turns: deque[_Ticket] = deque()  # tickets with waiting samples, in turn order
 
-    def run(self, samples: list[tuple[list[int], SamplingParams, str | None]]) -> list[asyncio.Future]:
+    def run(self, samples: list[tuple[list[int], SamplingParams, str | None]],
+            on_tokens: list[TokenCallback | None] | None = None) -> list[asyncio.Future]:
         """Queue one request's samples as one ticket; a future per sample resolves to its GenOutput.
-        Cancelling a future withdraws its sample (or stops it in the engine at the next step)."""
+        Cancelling a future withdraws its sample (or stops it in the engine at the next step). `on_tokens`: a
+        streamed request's listener per sample."""
         loop = asyncio.get_running_loop()
         ticket = _Ticket()
-        for prompt, params, rid in samples:
-            s = _Sample(prompt, params, rid, loop.create_future())
+        for (prompt, params, rid), on_token in zip(samples, on_tokens or [None] * len(samples), strict=True):
+            s = _Sample(prompt, params, rid, loop.create_future(), on_token)
             s.future.add_done_callback(lambda f, s=s: self._withdrawn(s) if f.cancelled() else None)
             ticket.waiting.append(s)
         futures = [s.future for s in ticket.waiting]
@@ -117,7 +120,7 @@ class Admission:
 
     def _start(self, ticket: _Ticket, s: _Sample) -> None:
         try:
-            s.running = asyncio.wrap_future(self._submit(s.prompt, s.params, s.rid))
+            s.running = asyncio.wrap_future(self._submit(s.prompt, s.params, s.rid, s.on_token))
         except Exception as e:  # the engine refused it (closed): this sample fails, nothing else
             s.future.set_exception(e)
             return

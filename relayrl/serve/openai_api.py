@@ -11,8 +11,11 @@ logprob, bytes, top_logprobs: [{token, logprob, bytes}]}`; completions `logprobs
 top_logprobs: [{token: logprob}], text_offset}`, with the prompt's tokens first under `echo` (the first one's
 logprob and alternatives null: nothing comes before it). `bytes` is the token's text in UTF-8, as vLLM gives it.
 
-Streaming is not supported: `stream: true` is answered with HTTP 400 ("stream: streaming is not supported")
-rather than with a non-streamed body that a streaming client would fail to parse.
+Streaming (`stream: true`): an app made with `streaming=True` (`relayrl serve`) hands the request to its backend,
+which checks it whole and returns an `EventStream` instead of a body (relayrl.serve.streaming), so a refused
+streaming request gets the same HTTP error as a non-streamed one before any byte of the stream. Other apps answer
+`stream: true` with HTTP 400 ("stream: streaming is not supported") rather than with a non-streamed body that a
+streaming client would fail to parse.
 
 Model names: an app given `served_models` (`relayrl serve --served-model-name`) lists them all in /v1/models and
 answers a request that names another `model` with 404, as vLLM does (a request without `model` is served); the
@@ -27,11 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from relayrl.serve.errors import (
     ApiError,
@@ -44,16 +47,26 @@ from relayrl.serve.errors import (
 from relayrl.serve.limits import DEFAULT_MAX_BODY, flag
 from relayrl.serve.security import key_check
 
-__all__ = ["ChatBackend", "chat_response", "completion_logprobs", "error_response", "make_openai_app"]
+__all__ = ["ChatBackend", "EventStream", "chat_logprobs", "chat_response", "completion_logprobs", "error_response",
+           "make_openai_app"]
 Alternatives = list[tuple[str, float]]  # a token's most likely alternatives: (text, logprob), most likely first
 
 
+class EventStream(Protocol):
+    """A streamed answer: its server-sent events, in order (relayrl.serve.streaming.Stream)."""
+
+    def events(self) -> AsyncIterator[str]: ...
+
+
 class ChatBackend(Protocol):
+    """Answers a request's body with the answer's JSON or, for a streamed request of a streaming app, an
+    EventStream."""
+
     model_name: str
 
-    async def chat(self, body: dict[str, Any], session: str | None) -> dict[str, Any]: ...
+    async def chat(self, body: dict[str, Any], session: str | None) -> dict[str, Any] | EventStream: ...
 
-    async def complete(self, body: dict[str, Any], session: str | None) -> dict[str, Any]: ...
+    async def complete(self, body: dict[str, Any], session: str | None) -> dict[str, Any] | EventStream: ...
 
 
 def chat_response(cid: str, model: str, content: str | None, tool_calls: list[dict] | None, finish: str,
@@ -65,14 +78,18 @@ def chat_response(cid: str, model: str, content: str | None, tool_calls: list[di
         message["tool_calls"] = tool_calls
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
     if logprobs is not None:
-        top = top or [[] for _ in logprobs]
-        choice["logprobs"] = {"content": [{**_token(t, lp), "top_logprobs": [_token(a, alp) for a, alp in alts]}
-                                          for t, lp, alts in zip(tokens or [""] * len(logprobs), logprobs, top)]}
+        choice["logprobs"] = chat_logprobs(tokens or [""] * len(logprobs), logprobs, top or [[] for _ in logprobs])
     if with_ids:
         choice["prompt_token_ids"], choice["token_ids"] = prompt_ids, output_ids
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [choice], "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(output_ids),
                                            "total_tokens": len(prompt_ids) + len(output_ids)}}
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float], top: list[Alternatives]) -> dict[str, Any]:
+    """A chat choice's (or a chunk's) `logprobs`: each token with its logprob and alternatives."""
+    return {"content": [{**_token(t, lp), "top_logprobs": [_token(a, alp) for a, alp in alts]}
+                        for t, lp, alts in zip(tokens, logprobs, top)]}
 
 
 def _token(text: str, logprob: float) -> dict[str, Any]:
@@ -97,25 +114,31 @@ def completion_logprobs(tokens: list[str], logprobs: list[float | None], top: li
 
 
 def make_openai_app(backend: ChatBackend, api_key: str | None = None, lifespan: Callable | None = None,
-                    max_body_bytes: int = DEFAULT_MAX_BODY, served_models: tuple[str, ...] | None = None) -> FastAPI:
+                    max_body_bytes: int = DEFAULT_MAX_BODY, served_models: tuple[str, ...] | None = None,
+                    streaming: bool = False) -> FastAPI:
     """The /v1 routes over `backend`; `lifespan` lets a server own resources (an engine) for the app's life.
     With an API key the interactive docs (/docs, /redoc, /openapi.json) are off: they would describe the API
-    to anyone, key or not. `served_models`: the names a request's `model` may take (None: any)."""
+    to anyone, key or not. `served_models`: the names a request's `model` may take (None: any). `streaming`: the
+    backend answers `stream: true` (module doc); else it is refused."""
     docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="relayrl OpenAI-compatible API", lifespan=lifespan, **docs)
     install_error_handlers(app)
     check_key = key_check(api_key)
 
-    async def handle(request: Request, fn, session: str | None) -> JSONResponse:
+    async def handle(request: Request, fn, session: str | None) -> JSONResponse | StreamingResponse:
         """Backend errors that name a field (ApiError) are the client's; anything else is answered with a
-        request id only (see relayrl.serve.errors)."""
+        request id only (see relayrl.serve.errors). A streamed answer's errors come in the stream."""
         try:
             body = await read_json(request, max_body_bytes)
-            if flag(body, "stream", False):
+            if not streaming and flag(body, "stream", False):
                 return error_response(400, "stream: streaming is not supported", "stream", "unsupported_value")
             if served_models is not None and isinstance(body.get("model"), str) and body["model"] not in served_models:
                 return model_not_found(body["model"])
-            return JSONResponse(await _unless_disconnected(request, fn(body, session)))
+            answer = await _unless_disconnected(request, fn(body, session))
+            if isinstance(answer, dict):
+                return JSONResponse(answer)
+            return StreamingResponse(answer.events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
         except ApiError as e:
             return api_error_response(e)
         except HTTPException:

@@ -1,11 +1,12 @@
 """Checks of OpenAI /v1 request bodies for `relayrl serve`: every field a client sends, against the limits.
 
-What the engine cannot honour is refused with 400 rather than ignored (penalties, logit_bias,
-best_of > 1: sampling from another distribution than asked corrupts RL data); vLLM's extensions that it
-can honour are (`top_k` with -1 = off, `ignore_eos`, `stop_token_ids`, `return_token_ids`). `stop` (a string or
-up to 4) ends generation in the engine as soon as the text contains one (relayrl.engine.stops). Messages and tools
-are checked for the shapes chat templates expect before a template sees them, so a malformed message is a
-400 naming it, not a template's exception.
+What the engine cannot honour is refused with 400 rather than ignored (penalties, logit_bias, best_of > 1,
+and constrained decoding: `response_format` json, vLLM's guided_* fields -- relayrl.serve.chat_tools; sampling
+from another distribution than asked corrupts RL data); vLLM's extensions that it can honour are (`top_k`
+with -1 = off, `ignore_eos`, `stop_token_ids`, `return_token_ids`). `stop` (a string or up to 4) ends generation
+in the engine as soon as the text contains one (relayrl.engine.stops). Messages and tools are checked for the
+shapes chat templates expect before a template sees them, so a malformed message is a 400 naming it, not a
+template's exception.
 
 Logprobs (`logprob_options`), as OpenAI defines them: chat takes `logprobs: true` and `top_logprobs: k` (k <=
 MAX_TOP_LOGPROBS, OpenAI's 20, and only with logprobs: true); completions take `logprobs: k` (k <=
@@ -25,6 +26,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from relayrl.engine.base import SamplingParams
+from relayrl.serve.chat_tools import check_structured_output
 from relayrl.serve.errors import BadRequest
 from relayrl.serve.limits import (
     CHARS_PER_TOKEN,
@@ -68,8 +70,9 @@ def sampling(body: dict[str, Any], limits: ServerLimits, prompt_len: int) -> tup
 
 
 def _check_extras(body: dict[str, Any]) -> None:
-    """Fields that only shape the answer: the right type, or 400."""
+    """Fields that only shape the answer: the right type, or 400; constrained decoding: 400."""
     flag(body, "return_token_ids", False)
+    check_structured_output(body)
     for key in ("model", "user"):
         if body.get(key) is not None and not isinstance(body[key], str):
             raise BadRequest(key, "must be a string")

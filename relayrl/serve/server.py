@@ -5,9 +5,11 @@ One FastAPI app carries two APIs over the same engine (so they share its continu
   pause / abort; relayrl's RemoteEngine is its client;
 - the OpenAI-compatible API (`/v1/chat/completions`, `/v1/completions`, `/v1/models`) for agents and tools
   written against the `openai` package. Chat renders messages with the tokenizer's chat template; `tools`
-  are described in the template (or a system prompt when it has no tool support) and `<tool_call>` output is
-  returned as OpenAI `tool_calls`; `return_token_ids: true` adds `prompt_token_ids` / `token_ids` (vLLM's
-  extension). Streaming is not supported (`stream: true` -> HTTP 400). The served model is named by
+  are described in the template (or a system prompt when it has no tool support) and calls in the template's
+  format come back as OpenAI `tool_calls`, with `tool_choice`; `response_format` other than text is refused
+  (`relayrl.serve.chat_tools`); `return_token_ids: true` adds `prompt_token_ids` / `token_ids` (vLLM's
+  extension). `stream: true` streams token by token as OpenAI's server-sent events (`relayrl.serve.streaming`;
+  completions' `echo` is not streamed: 400). The served model is named by
   --served-model-name (several aliases; default the --model argument) in /v1/models and responses; a request
   naming another `model` gets 404 (`relayrl.serve.openai_api`). `stop` strings end generation in the engine
   (relayrl.engine.stops): the returned text is cut before the stop string, `token_ids` keep every sampled
@@ -35,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import signal
 import threading
 import time
@@ -53,25 +54,26 @@ from relayrl.engine.local import LocalEngine
 from relayrl.engine.scoring import Scored
 from relayrl.models import load_tokenizer, resolve_model_path
 from relayrl.serve import openai_params
+from relayrl.serve.chat_tools import CALL_START, ChatTools, ToolChoice
+from relayrl.serve.errors import BadRequest
 from relayrl.serve.limits import ServerLimits
 from relayrl.serve.native import health, native_router, output_text, submit_scores
 from relayrl.serve.openai_api import Alternatives, chat_response, completion_logprobs, make_openai_app
 from relayrl.serve.security import ServeRefused, check_options
 from relayrl.serve.state import ServerState
-from relayrl.tools import Tool
-from relayrl.tools.calls import parse_tool_calls, tools_system_prompt
+from relayrl.serve.streaming import (
+    Answer,
+    ChatChunks,
+    Choice,
+    Chunks,
+    CompletionChunks,
+    IncrementalText,
+    Stream,
+    stream_options,
+)
 
 
-def _openai_tool_calls(text: str) -> list[dict[str, Any]]:
-    """`<tool_call>{...}</tool_call>` blocks in the output as OpenAI tool_calls (malformed ones are dropped)."""
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
-            for c in parse_tool_calls(text) if isinstance(c, dict)]
-
-
-def _finish(out: GenOutput, tool_calls: bool = False) -> str:
-    if tool_calls:
-        return "tool_calls"
+def _finish(out: GenOutput) -> str:
     return {"length": "length", "abort": "abort"}.get(out.finish_reason, "stop")
 
 
@@ -82,34 +84,38 @@ class EngineBackend:
     def __init__(self, state: ServerState, model_name: str):  # responses name the first --served-model-name
         self.state, self.model_name, self.tok = state, model_name, state.tokenizer
         self.limits = state.limits
-        self.native_tools = "tools" in (getattr(self.tok, "chat_template", "") or "")
+        self.tools = ChatTools(self.tok)
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
-        """Render with the chat template (generation prompt added) and tokenize, as RecordingBackend does."""
-        if tools and not self.native_tools:
-            described = [Tool(t["function"]["name"], t["function"].get("description", ""),
-                              t["function"].get("parameters", {}), None) for t in tools]
-            messages = [{"role": "system", "content": tools_system_prompt(described)}, *messages]
-        kw = {"tools": tools} if tools and self.native_tools else {}
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None, prefill: str = "") -> list[int]:
+        """Render with the chat template (generation prompt added, then `prefill`: the assistant turn's opening)
+        and tokenize, as RecordingBackend does."""
+        messages, kw = self.tools.template_inputs(messages, tools)
         try:
             text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
         except Exception as e:
             raise openai_params.render_error(e) from None
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+        return self.tok(text + prefill, add_special_tokens=False)["input_ids"]
 
-    async def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+    async def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None,
+                              prefill: str = "") -> list[int]:
         openai_params.check_size([messages, tools], self.limits, "messages")
-        ids = await self.state.in_tokenizer_thread(self._render, messages, tools)
+        ids = await self.state.in_tokenizer_thread(self._render, messages, tools, prefill)
         return self.limits.check_prompt(ids, "messages")
 
-    async def sample(self, jobs: list[tuple[list[int], SamplingParams, int]]) -> list[list[GenOutput]]:
-        """n samples of each prompt, all as one request of the server's queue (the engine prefills a prompt
-        once); a seeded request gives sample i seed+i, so the n choices differ but stay reproducible."""
+    def samples(self, jobs: list[tuple[list[int], SamplingParams, int]]) -> list[tuple[list[int], SamplingParams,
+                                                                                       None]]:
+        """n samples of each prompt, checked against --max-n and the in-flight budget; a seeded request gives
+        sample i seed+i, so the n choices differ but stay reproducible."""
         flat = [(prompt, p if p.seed is None else dataclasses.replace(p, seed=p.seed + i), None)
                 for prompt, p, n in jobs for i in range(n)]
         self.limits.check_samples(len(flat), "n")
         self.limits.check_cost(sum(len(q) + p.max_new_tokens for q, p, _ in flat), "max_tokens")
-        futures = self.state.submit(flat)
+        return flat
+
+    async def sample(self, jobs: list[tuple[list[int], SamplingParams, int]]) -> list[list[GenOutput]]:
+        """The `samples` of the jobs, all as one request of the server's queue (the engine prefills a prompt
+        once)."""
+        futures = self.state.submit(self.samples(jobs))
         try:
             outs = list(await asyncio.gather(*futures))
         finally:
@@ -140,23 +146,25 @@ class EngineBackend:
     def alternatives(self, alts: list[tuple[int, float]]) -> Alternatives:
         return list(zip(self.token_texts([t for t, _ in alts]), [lp for _, lp in alts]))
 
-    async def chat(self, body: dict[str, Any], session: str | None) -> dict[str, Any]:
+    async def chat(self, body: dict[str, Any], session: str | None) -> dict[str, Any] | Stream:
+        streamed = stream_options(body)
         asked = openai_params.logprob_options(body, chat=True)
         messages = openai_params.messages(body.get("messages"), self.limits)
         tools = openai_params.tools(body.get("tools"))
-        prompt = await self.chat_prompt_ids(messages, tools)
+        tool_choice = self.tools.choice(body.get("tool_choice"), tools)
+        prompt = await self.chat_prompt_ids(messages, tools, tool_choice.prefill)
         params, n = openai_params.sampling(body, self.limits, len(prompt))
         params = dataclasses.replace(params, top_logprobs=asked.top)
         want_lp, with_ids = asked.wanted, bool(body.get("return_token_ids"))
+        if streamed is not None:
+            return self.chat_stream(prompt, params, n, tool_choice, asked, with_ids, streamed)
         outs = (await self.sample([(prompt, params, n)]))[0]
         cid, choices = f"chatcmpl-{uuid.uuid4().hex}", []
         for i, out in enumerate(outs):
             text = output_text(self.tok, out, params.stop_strings)
-            calls = _openai_tool_calls(text) if tools else []
-            content = text.split("<tool_call>")[0].strip() if calls else text
-            content = content if content or not calls else None  # "" when a stop string came first, as vLLM
-            reply = chat_response(cid, self.model_name, content, calls or None, _finish(out, bool(calls)),
-                                  prompt, out.output_ids, out.logprobs if want_lp else None,
+            content, calls, finish = self.tools.reply(tool_choice, out, text, params.stop_strings, _finish(out))
+            reply = chat_response(cid, self.model_name, content, calls, finish, prompt, out.output_ids,
+                                  out.logprobs if want_lp else None,
                                   self.token_texts(out.output_ids) if want_lp else None, with_ids,
                                   [self.alternatives(a) for a in out.top_logprobs or []] if asked.top else None)
             choices.append({**reply["choices"][0], "index": i})
@@ -182,13 +190,18 @@ class EngineBackend:
         return completion_logprobs(self.token_texts(prompt) + tokens, [None, *prompt_lps, *lps],
                                    [None, *map(self.alternatives, prompt_top), *top], 0)
 
-    async def complete(self, body: dict[str, Any], session: str | None) -> dict[str, Any]:
+    async def complete(self, body: dict[str, Any], session: str | None) -> dict[str, Any] | Stream:
+        streamed = stream_options(body)
         asked = openai_params.logprob_options(body, chat=False)
+        if streamed is not None and asked.echo:
+            raise BadRequest("echo", "is not supported with stream: true", "unsupported_value")
         prompts, texts = await self.completion_prompts(body.get("prompt"))
         jobs = [(p, *openai_params.completion_sampling(body, self.limits, len(p), asked)) for p in prompts]
         jobs = [(p, None if params is None else dataclasses.replace(params, top_logprobs=asked.top), n)
                 for p, params, n in jobs]
         with_ids = bool(body.get("return_token_ids"))
+        if streamed is not None:
+            return self.completion_stream(jobs, texts, asked, with_ids, streamed)
         per_prompt = await self.generate(jobs)
         scores = await self.score(prompts, asked.top) if asked.score_prompt else [None] * len(prompts)
         choices = []
@@ -205,6 +218,57 @@ class EngineBackend:
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
                 "usage": _usage([len(p) for p in prompts], [o for outs in per_prompt for o in outs])}
+
+    # ---- streamed answers (relayrl.serve.streaming) -----------------------------------------------------------
+    def stream(self, cid: str, chunks: Chunks, jobs: list[tuple[list[int], SamplingParams, int]], usage: bool,
+               marker: str | None = None) -> Stream:
+        """Submit the jobs' samples, each with a listener, and return their stream (its first byte goes out only
+        after this returns: every refusal came before)."""
+        flat = self.samples(jobs)
+        choices = [Choice(i, prompt, p, IncrementalText(self.decode, p.stop_strings, marker))
+                   for i, (prompt, p, _) in enumerate(flat)]
+        stream = Stream(cid, self.model_name, chunks, choices, usage, sum(len(prompt) for prompt, _, _ in jobs))
+        return stream.start(self.state.submit(flat, [stream.listener(i) for i in range(len(flat))]))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def answer(self, asked: openai_params.Logprobs, with_ids: bool) -> Answer:
+        return Answer(self.token_texts, self.alternatives, asked.wanted, bool(asked.top), with_ids)
+
+    def chat_stream(self, prompt: list[int], params: SamplingParams, n: int, tool_choice: ToolChoice,
+                    asked: openai_params.Logprobs, with_ids: bool, usage: bool) -> Stream:
+        """Content streams up to where a tool call starts (`call_start`); the calls come parsed at the end."""
+        def reply(out: GenOutput, p: SamplingParams) -> tuple[str | None, list[dict[str, Any]] | None, str]:
+            text = output_text(self.tok, out, p.stop_strings)
+            return self.tools.reply(tool_choice, out, text, p.stop_strings, _finish(out))
+
+        return self.stream(f"chatcmpl-{uuid.uuid4().hex}", ChatChunks(self.answer(asked, with_ids), reply),
+                           [(prompt, params, n)], usage, self.call_start(tool_choice))
+
+    def call_start(self, choice: ToolChoice) -> str | None:
+        """Where streamed content must stop, since what follows may be a tool call: the format's call marker;
+        "" (all of it) where the marker is a special token (absent from the text), the whole turn is the call
+        (llama3), or the call is forced (named tool_choice); None without tools."""
+        if choice.mode == "none":
+            return None
+        if choice.mode == "named" or self.tools.format.keep_special:
+            return ""
+        return CALL_START.get(self.tools.format.name, "")
+
+    def completion_stream(self, jobs: list[tuple[list[int], SamplingParams | None, int]], texts: list[str],
+                          asked: openai_params.Logprobs, with_ids: bool, usage: bool) -> Stream:
+        """Text offsets of logprobs start after each prompt's text, as in the non-streamed answer."""
+        def final(out: GenOutput, p: SamplingParams) -> tuple[str, str]:
+            return output_text(self.tok, out, p.stop_strings), _finish(out)
+
+        running = [(prompt, params, n) for prompt, params, n in jobs if params is not None]  # None only with echo
+        offsets, k = {}, 0
+        for (_, _, n), text in zip(jobs, texts):
+            offsets |= {k + i: len(text) for i in range(n)}
+            k += n
+        chunks = CompletionChunks(self.answer(asked, with_ids), final, offsets=offsets)
+        return self.stream(f"cmpl-{uuid.uuid4().hex}", chunks, running, usage)
 
 
 def _usage(prompt_lens: list[int], outs: list[GenOutput]) -> dict[str, int]:
@@ -223,7 +287,7 @@ def build_app(state: ServerState, model_names: tuple[str, ...]) -> FastAPI:
         state.close()
 
     app = make_openai_app(EngineBackend(state, model_names[0]), state.api_key, lifespan=lifespan,
-                          max_body_bytes=state.limits.max_body_bytes, served_models=model_names)
+                          max_body_bytes=state.limits.max_body_bytes, served_models=model_names, streaming=True)
     app.include_router(native_router(state))
 
     async def health_route() -> Any:

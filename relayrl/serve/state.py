@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import HTTPException
 
-from relayrl.engine.base import SamplingParams
+from relayrl.engine.base import SamplingParams, TokenCallback
 from relayrl.engine.local import LocalEngine
 from relayrl.serve.admission import Admission
 from relayrl.serve.limits import ServerLimits
@@ -37,11 +37,13 @@ class ServerState:
         # one thread: tokenizing never blocks the event loop, and the tokenizer is never used by two at once
         self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="relayrl-serve-tokenize")
 
-    def submit(self, jobs: list[tuple[list[int], SamplingParams, str | None]]) -> list[asyncio.Future]:
-        """Queue one request's samples (see `relayrl.serve.admission`). Submitted now, not when an awaiting
-        task first runs: once `closing` is set no request can slip in after the shutdown's abort."""
+    def submit(self, jobs: list[tuple[list[int], SamplingParams, str | None]],
+               on_tokens: list[TokenCallback | None] | None = None) -> list[asyncio.Future]:
+        """Queue one request's samples (see `relayrl.serve.admission`; `on_tokens` streams them). Submitted now,
+        not when an awaiting task first runs: once `closing` is set no request can slip in after the shutdown's
+        abort."""
         self.check_open()
-        return self.admission.run(jobs)
+        return self.admission.run(jobs, on_tokens)
 
     def generate(self, prompt: list[int], params: SamplingParams, rid: str | None = None) -> asyncio.Future:
         return self.submit([(prompt, params, rid)])[0]

@@ -16,11 +16,11 @@ for turn in range(2):
     kw = {"model": "relayrl-policy", "messages": messages, "max_tokens": 6, "logprobs": True, "temperature": 0.3,
           "extra_body": {"return_token_ids": True}}
     if stream:
-        text, ids, logprobs, finish = "", None, [], None
+        text, ids, logprobs, finish = "", [], [], None
         for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
             for choice in chunk.choices:
                 text += choice.delta.content or ""
-                ids = (choice.model_extra or {}).get("token_ids", ids)
+                ids += (choice.model_extra or {}).get("token_ids") or []  # each chunk's own tokens (as vLLM's)
                 logprobs += [lp.logprob for lp in (choice.logprobs.content if choice.logprobs else None) or []]
                 finish = choice.finish_reason or finish
         reply = {"role": "assistant", "content": text}

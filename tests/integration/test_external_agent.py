@@ -214,3 +214,18 @@ def test_without_a_reward_line_the_judge_scores_and_a_run_trains(tiny_run):
 def test_bad_options_are_named_before_any_model_loads(tiny_run, kwargs, message):
     with pytest.raises(InputError, match=message):
         check_user_code(tiny_run(**{"agent.kind": "external", "agent.kwargs": kwargs}))
+
+
+def test_streamed_chunks_arrive_while_the_call_generates(setup, tmp_path):
+    """Token by token: the first content chunk comes long before the last (a call of 600 tokens), and the text the
+    program joined is the recorded turn's."""
+    tok, ctl, _ = setup
+    agent = ExternalAgent(ctl, tok, SamplingParams(max_new_tokens=600, ignore_eos=True),
+                          command=[sys.executable, str(SCRIPTS / "stream_timing.py"), "600"])
+    out = tmp_path / "out.txt"
+    agent.command = ["sh", "-c", f'"$0" "$@" | tee {out}', *agent.command]
+    (s,) = run(agent)
+    assert s.status == Status.COMPLETED, s.error
+    got = json.loads(out.read_text().splitlines()[0])
+    assert got["chunks"] > 50 and got["first"] < got["last"] / 4, got
+    assert got["text"] == tok.decode(s.response_ids, skip_special_tokens=True)

@@ -237,16 +237,8 @@ def test_openai_chat(url, local, tiny_path):
     r = client(url).chat.completions.create(model="tiny", messages=messages, max_tokens=4, tools=tools,
                                             extra_body={"return_token_ids": True})
     assert "add(a, b): Add two numbers" in tok.decode(r.choices[0].model_extra["prompt_token_ids"])
-    with pytest.raises(openai.BadRequestError, match="streaming is not supported"):
-        client(url).chat.completions.create(model="tiny", messages=messages, stream=True)
-
-
-def test_openai_tool_call_output_becomes_tool_calls():
-    from relayrl.serve.server import _openai_tool_calls
-
-    calls = _openai_tool_calls('I will add.\n<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
-    assert [c["function"] for c in calls] == [{"name": "add", "arguments": '{"a": 1}'}]
-    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    with pytest.raises(openai.BadRequestError, match="stream_options"):  # streaming: tests/.../test_serve_stream.py
+        client(url).chat.completions.create(model="tiny", messages=messages, stream=True, stream_options=[])
 
 
 def test_openai_completions(url, local, tiny_path):
