@@ -201,3 +201,30 @@ def train_run(config: str, overrides: list[str], out_dir: str, env: dict[str, st
         raise SystemExit(f"relayrl train {' '.join(overrides)} failed with exit code {proc.returncode}")
     (run_dir,) = Path(out_dir).iterdir()
     return {"command": cmd, "output": output, "wall_s": wall, "peaks": peaks, "run_dir": run_dir}
+
+
+def rss_bytes() -> int:
+    """This process's resident set, read from /proc (cheap enough to sample every few milliseconds)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PhaseSampler:
+    """Samples RSS on a thread and keeps the peak per phase (the phase is whatever `phase` was last set to)."""
+
+    def __init__(self, interval: float = 0.005):
+        self.phase, self.peaks, self.interval = "startup", {}, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss = rss_bytes()
+            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
+            time.sleep(self.interval)
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        return {k: round(v / 1e9, 3) for k, v in self.peaks.items()}

@@ -145,7 +145,7 @@ def _samples(outs, prompts: list[list[int]], group: int, step: int, rng: random.
 
 def _step(spec: dict, cfg, parts, sampler, rng: random.Random, step: int, trim) -> tuple[dict, list, int]:
     """One colocated GRPO step: rollout, release the engine's memory, fit, weight sync; times and RSS."""
-    from memory import rss_bytes
+    from _common import rss_bytes
 
     from relayrl.common.utils import release_openmp_threads
     from relayrl.engine.base import SamplingParams
@@ -224,7 +224,7 @@ def _settings(spec: dict, cfg, engine, trainer) -> dict:
 
 
 def run_child(spec: dict) -> dict:
-    from memory import PhaseSampler, rss_bytes
+    from _common import PhaseSampler, rss_bytes
 
     MemGuard(spec["guard_gb"] * GB)
     runtime0 = rss_bytes()

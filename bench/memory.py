@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import _common
-from _common import descendants, proc_rss
+from _common import PhaseSampler, descendants, proc_rss, rss_bytes
 from _memory_trace import backward_peak, step_memory, train_memory_trace
 
 GB = 1e9
@@ -40,32 +40,6 @@ def parts_args(argv: list[str]) -> argparse.Namespace:
     if a.quick:
         a.steps, a.no_trl = 1, True
     return a
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PhaseSampler:
-    """Samples RSS on a thread and keeps the peak per phase (the phase is whatever `phase` was last set to)."""
-
-    def __init__(self, interval: float = 0.005):
-        self.phase, self.peaks, self.interval = "startup", {}, interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            rss = rss_bytes()
-            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
-            time.sleep(self.interval)
-
-    def stop(self) -> dict[str, float]:
-        self._stop.set()
-        self._thread.join()
-        return {k: round(v / GB, 3) for k, v in self.peaks.items()}
 
 
 def saved_activation_bytes(fn, *args):
