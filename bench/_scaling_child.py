@@ -78,7 +78,8 @@ def _build(spec: dict, tmp: str):
     import relayrl.trainer.engine
     from relayrl.config.schema import load_run_config
     from relayrl.engine.rollout import RolloutController
-    from relayrl.run.build import _train_controller, make_engines, resolve_precision, shares_weights
+    from relayrl.run.build import _train_controller, make_engines, shares_weights
+    from relayrl.run.precision import resolve_precision
 
     for module in (relayrl.run.build, relayrl.trainer.engine, relayrl.engine.local):  # random weights, real classes
         module.load_model = _random_load_model

@@ -25,7 +25,8 @@ from relayrl.data import load_rows
 from relayrl.data.datasets import system_and_suffix
 from relayrl.data.formats import prompt_messages
 from relayrl.models import resolve_model_path
-from relayrl.run.build import build, resolve_precision
+from relayrl.run.build import build
+from relayrl.run.precision import resolve_precision
 
 
 def trl_dataset(cfg: Config):

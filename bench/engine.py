@@ -3,8 +3,9 @@
 
 rollout and prefill time whole workloads (sides in their own subprocesses, or alternating on one engine); the other
 commands (bench/_engine_parts.py) look inside: where a decode step's time goes, a bare decode forward profiled,
-what a bf16 KV cache does to logprobs, how many rows async admission keeps decoding. Each command's docstring says
-what it measures and how.
+what a bf16 KV cache does to logprobs, how many rows async admission keeps decoding; weight_sync
+(bench/_weight_sync.py) times a LoRA adapter sync to a relayrl serve against a full one. Each command's docstring
+says what it measures and how.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import _common
 from _engine_parts import admission_occupancy, decode_profile, engine_step_parts, kv_dtype_parity
+from _weight_sync import weight_sync
 
 SIDES = ("local", "hf", "vllm", "local_eager")  # the default run is the first three
 WORKLOADS = {"eval": (128, 2, None), "rollout": (8, 8, None), "prefill_only": (128, 1, 1)}  # prompts, n, max_new
@@ -317,7 +319,7 @@ def prefill(argv: list[str]) -> None:
 
 COMMANDS = {"rollout": rollout, "prefill": prefill, "engine_step_parts": engine_step_parts,
             "decode_profile": decode_profile, "kv_dtype_parity": kv_dtype_parity,
-            "admission_occupancy": admission_occupancy}
+            "admission_occupancy": admission_occupancy, "weight_sync": weight_sync}
 
 if __name__ == "__main__":
     _common.dispatch(__doc__, COMMANDS)

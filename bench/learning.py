@@ -4,8 +4,8 @@
 Every command runs the real `relayrl train` in subprocesses, one run after another (side by side they would share
 the cores and skew every wall clock), and reads the runs' metrics.jsonl: a recorded run (learning_run), the presets
 compared (compare_presets), the README's job timed (readme_job), async against sync (async_vs_sync), a task with
-and without the user's tool (tool_learning, bench/_tool_learning.py). Each command's docstring says what it
-measures and how.
+and without the user's tool (tool_learning, bench/_tool_learning.py), a bf16 engine with and without the rollout
+correction (rollout_correction). Each command's docstring says what it measures and how.
 """
 
 from __future__ import annotations
@@ -326,8 +326,85 @@ def async_vs_sync(argv: list[str]) -> None:
         _common.write_json(_common.REPO / a.out, result)
     print({k: round(v, 3) for k, v in ratios.items()})
 
+# ---- rollout_correction -----------------------------------------------------------------------------------------
+CORRECTION_KEYS = ("train/mismatch_kl", "train/rollout_is_mean", "train/rollout_is_min", "train/rollout_is_max",
+                   "train/rollout_is_truncated_frac", "train/rollout_is_masked_frac", "train/rollout_is_vetoed_frac",
+                   "train/logprob_diff_engine_abs", "train/logprob_diff_engine_max")
+
+
+def correction_run(on: bool, a: argparse.Namespace, out_dir: str) -> dict:
+    """One README job with a bf16 engine, the correction on or off; its pass@1, mismatch and timings."""
+    over = [*(QUICK if a.quick else []), "engine.dtype=bfloat16", f"algo.rollout_correction.enabled={str(on).lower()}",
+            f"run.seed={a.seed}", f"run.name=correction_{'on' if on else 'off'}", *a.overrides]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if a.quick:
+        from relayrl.models import tiny_model
+
+        over.insert(0, f"model.path={tiny_model('qwen2')}")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_common.REPO / "tests"), env.get("PYTHONPATH")]))
+    r = _common.train_run(a.config, over, out_dir, env)
+    rows = read_jsonl(r["run_dir"] / "metrics.jsonl")
+    evals, steps = [x for x in rows if "eval/pass@1" in x], [x for x in rows if "train/loss" in x]
+    lines = r["output"].splitlines()
+    return {"overrides": over, "wall_min": round(r["wall_s"] / 60, 2),
+            "precision": next((x for x in lines if x.startswith("precision:")), ""),
+            "correction": next((x for x in lines if x.startswith("rollout correction:")), ""),
+            "pass_before": evals[0]["eval/pass@1"] if len(evals) > 1 else None,
+            "pass_after": evals[-1]["eval/pass@1"] if evals else None,
+            "eval_samples": int(evals[-1]["eval/samples"]) if evals else 0,
+            "eval_curve": [{"step": x["step"], "pass@1": x["eval/pass@1"]} for x in evals],
+            "reward_by_step": [round(x["rollout/reward_mean"], 4) for x in steps],
+            "step_s_median": statistics.median(x["time/step_s"] for x in steps),
+            # per step, and their mean over the run (a key absent when the correction is off)
+            "by_step": {k: [x.get(k) for x in steps] for k in CORRECTION_KEYS},
+            "mean": {k: statistics.fmean(x[k] for x in steps) for k in CORRECTION_KEYS if all(k in x for x in steps)}}
+
+
+def rollout_correction(argv: list[str]) -> None:
+    """The README job with a bf16 engine, with and without the rollout correction: pass@1 and mismatch KL.
+
+    Two `relayrl train --config examples/arithmetic_grpo.yaml engine.dtype=bfloat16` subprocesses, one after the
+    other, with the same seed, prompts and eval set; only algo.rollout_correction.enabled differs (true: token
+    ratios truncated at 2, samples vetoed below 1e-4, the defaults). Reads each run's metrics.jsonl and writes
+    bench/results/rollout_correction.json: held-out pass@1 before and after (with its standard error), the
+    train/mismatch_kl curve (k3 of the engine against the trainer, measured in both runs) and the correction's
+    ratio statistics and fractions, the precision and correction lines each run printed, and wall clock.
+
+        .venv/bin/python bench/learning.py rollout_correction                  # both runs, recorded
+        .venv/bin/python bench/learning.py rollout_correction run.steps=3      # a shorter check (not recorded)
+        .venv/bin/python bench/learning.py rollout_correction --quick          # smoke run on the tiny model
+    """
+    p = _common.parser("rollout_correction", rollout_correction.__doc__)
+    p.add_argument("--config", default="examples/arithmetic_grpo.yaml")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny random model, tiny sizes (a smoke test)")
+    p.add_argument("--out", help="result file (default bench/results/rollout_correction.json; overrides, --quick: "
+                                 "not written)")
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+    res = {**_common.result_header("rollout_correction"), "load_before": _common.load_before_run(),
+           "config": a.config, "seed": a.seed, "overrides": a.overrides}
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="bench_correction_") as tmp:
+        for on in (False, True):
+            name = "on" if on else "off"
+            print(f"== correction {name}", flush=True)
+            os.makedirs(Path(tmp) / name)
+            runs[name] = correction_run(on, a, str(Path(tmp) / name))
+            print({k: runs[name][k] for k in ("correction", "pass_before", "pass_after", "wall_min", "mean")},
+                  flush=True)
+    for r in runs.values():
+        if r["pass_after"] is not None:
+            r["pass_after_stderr"] = _common.std_err(r["pass_after"], r["eval_samples"])
+    res |= {"metrics": runs, "ratios": {"on_vs_off_wall": runs["on"]["wall_min"] / max(runs["off"]["wall_min"], 1e-9)}}
+    out = a.out or (None if a.overrides or a.quick else "bench/results/rollout_correction.json")
+    if out:
+        _common.write_json(out, res)
+        print(f"wrote {out}")
+
+
 COMMANDS = {"learning_run": learning_run, "compare_presets": compare_presets, "readme_job": readme_job,
-            "async_vs_sync": async_vs_sync, "tool_learning": tool_learning}
+            "async_vs_sync": async_vs_sync, "tool_learning": tool_learning, "rollout_correction": rollout_correction}
 
 if __name__ == "__main__":
     _common.dispatch(__doc__, COMMANDS)

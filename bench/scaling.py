@@ -6,7 +6,7 @@ out below, no weights: random init, so nothing is downloaded). Each run is its o
 (getrusage ru_maxrss) is its own, and is stepped the way relayrl.run.loop.train_colocated steps a run:
 
 - the run config is relayrl's defaults (relayrl.config.schema) with the model folder and the shape overridden,
-  precision resolved by relayrl.run.build.resolve_precision (engine.dtype auto -> bf16 where native, trainer fp32
+  precision resolved by relayrl.run.precision.resolve_precision (engine.dtype auto -> bf16 where native, trainer fp32
   master weights with bf16 autocast iff the engine is bf16), the trainer built by relayrl.run.build._train_controller
   (TrainEngine + fused AdamW) and the engine by relayrl.run.build.make_engines (a LocalEngine on its own copy, or on
   the trainer's model when relayrl.run.build.shares_weights says so). Only load_model is replaced (in build, trainer
@@ -211,7 +211,7 @@ def make_spec(a, hf_config: dict, shape: dict, overrides: list[str], **extra) ->
 def run_config(a, overrides: list[str]):
     """The resolved relayrl config a run will use (for the estimate: micro-batch size, checkpointing)."""
     from relayrl.config.schema import load_run_config
-    from relayrl.run.build import resolve_precision
+    from relayrl.run.precision import resolve_precision
 
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "config.json").write_text("{}")

@@ -35,7 +35,7 @@ from _common import descendants
 from relayrl.common.utils import InputError, read_jsonl
 from relayrl.config.loader import ConfigError
 from relayrl.config.schema import load_run_config
-from relayrl.run.build import resolve_precision
+from relayrl.run.precision import resolve_precision
 
 SIDES = ("sync", "async", "trl")
 QUICK = {"eval_every": 1, "eval_size": 4, "max_steps": 2, "budget_min": 1.0, "threads": 1}

@@ -6,6 +6,7 @@ or matplotlib: seconds), so `relayrl --help`, `--version`, `--help-config` and c
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.metadata
 import json
 import os
@@ -24,6 +25,7 @@ from relayrl.common.utils import InputError, atomic_write_text, install_hint, tu
 from relayrl.config import ConfigError, to_dict
 from relayrl.config.docs import describe
 from relayrl.config.schema import Config, load_run_config
+from relayrl.serve.args import add_arguments as add_serve_arguments
 
 SERVE_EXTRA = ("uvicorn",)  # the packages of the `serve` extra (pyproject.toml): the HTTP server
 
@@ -119,7 +121,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from relayrl.models import MODEL_ALIASES, build_tiny_model
+    from relayrl.models import MODEL_ALIASES, build_tiny_model, build_tiny_vlm
     from relayrl.models.aliases import ALIAS_ABOUT, ALIAS_DIRS
     from relayrl.models.store import is_complete
 
@@ -132,7 +134,9 @@ def _models(args: argparse.Namespace) -> int:
               "HF_HUB_OFFLINE=1 or run.offline: true keeps runs offline")
         return 0
     if args.name is None:
-        print(f"relayrl models {args.action} needs a name (prepare ALIAS | tiny OUT_DIR)", file=sys.stderr)
+        print(f"relayrl models {args.action} needs a name (prepare ALIAS | tiny OUT_DIR | tiny-moe OUT_DIR | "
+              f"tiny-vlm OUT_DIR)",
+              file=sys.stderr)
         return 2
     if args.action == "prepare":
         if args.name not in MODEL_ALIASES:
@@ -142,14 +146,19 @@ def _models(args: argparse.Namespace) -> int:
         print(MODEL_ALIASES[args.name](force=args.force))
     elif args.action == "tiny":
         print(build_tiny_model(args.name))
+    elif args.action == "tiny-moe":
+        print(build_tiny_model(args.name, arch="qwen3_moe"))
+    elif args.action == "tiny-vlm":
+        print(build_tiny_vlm(args.name))
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from relayrl.serve.security import ServeRefused, check_options
+    from relayrl.serve.security import ServeRefused, check_options, resolve_api_key
 
     try:  # at once, before torch and the model load
-        check_options(args.host, args.api_key, args.insecure, args.weights_root)
+        api_key = resolve_api_key(args.api_key, args.api_key_file, dict(os.environ))
+        check_options(args.host, api_key, args.insecure, args.weights_root)
     except ServeRefused as e:
         print(f"relayrl serve: {e}", file=sys.stderr)
         return 2
@@ -161,13 +170,17 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"relayrl serve: needs the {e.name} package: {install_hint('serve')}", file=sys.stderr)
         return 2
 
-    options = ServeOptions(api_key=args.api_key, insecure=args.insecure, weights_root=args.weights_root,
+    options = ServeOptions(api_key=api_key, insecure=args.insecure, weights_root=args.weights_root,
                            max_n=args.max_n, max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
                            max_tokens_in_flight=args.max_tokens_in_flight, max_body_bytes=args.max_body_bytes,
-                           kv_dtype=args.kv_dtype, served_model_names=tuple(args.served_model_name or ()))
+                           kv_dtype=args.kv_dtype, served_model_names=tuple(args.served_model_name or ()),
+                           allowed_hosts=tuple(args.allowed_hosts or ()),
+                           allowed_origins=tuple(args.allowed_origins or ()), max_connections=args.max_connections,
+                           idle_timeout=args.idle_timeout, escape_special_tokens=args.escape_special_tokens)
     try:
         serve(args.model, host=args.host, port=args.port, dtype=args.dtype, max_batch_size=args.max_batch_size,
-              max_seq_len=args.max_seq_len, seed=args.seed, log_level=logs.resolve(args.log_level), options=options)
+              device=args.device, max_seq_len=args.max_seq_len, seed=args.seed,
+              log_level=logs.resolve(args.log_level), options=options)
     except ServeRefused as e:
         print(f"relayrl serve: {e}", file=sys.stderr)
         return 2
@@ -205,44 +218,6 @@ class _VersionAction(argparse.Action):
                  option_string: str | None = None) -> None:
         print(version_line())
         parser.exit()
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _serve_parser(sv: argparse.ArgumentParser) -> None:
-    sv.add_argument("--model", required=True, help="model folder or alias (smollm2)")
-    sv.add_argument("--served-model-name", nargs="+", metavar="NAME", help="the names OpenAI requests may give as "
-                    "`model` (all listed in /v1/models; responses carry the first; any other name: 404). Default: "
-                    "the --model argument")
-    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only; "
-                    "any other address needs --api-key or --insecure)")
-    sv.add_argument("--port", type=int, default=30000, help="port (0: any free port; the ready line says which)")
-    sv.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                    help="auto: bfloat16 where bf16 is native (a GPU with it, an AVX512-BF16/AMX CPU), else float32")
-    sv.add_argument("--kv-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                    help="the KV cache's dtype (auto: the model's; bfloat16 under float32 halves its memory, keys and "
-                    "values rounded)")
-    sv.add_argument("--max-batch-size", type=_positive, default=64, help="most sequences decoded together")
-    sv.add_argument("--max-seq-len", type=_positive, help="prompt + output limit (default: the model's)")
-    sv.add_argument("--max-tokens-in-flight", type=_positive, help="admission budget of prompt + max_new_tokens "
-                    "over running samples; a request needing more is refused (default max-batch-size x max-seq-len)")
-    sv.add_argument("--max-n", type=_positive, help="most samples in one request, n x prompts (default "
-                    "max-batch-size)")
-    sv.add_argument("--max-tokens", type=_positive, help="largest max_new_tokens / max_tokens of a sample "
-                    "(default max-seq-len - 1)")
-    sv.add_argument("--max-prompt-tokens", type=_positive, help="longest prompt (default max-seq-len - 1)")
-    sv.add_argument("--max-body-bytes", type=_positive, help="largest request body (default 16 MiB)")
-    sv.add_argument("--weights-root", help="/update_weights_from_disk loads only folders under this directory "
-                    "(symlinks resolved); without it the route is disabled")
-    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
-    sv.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without --api-key")
-    sv.add_argument("--seed", type=int, default=0, help="seed of unseeded requests' sampling")
-    sv.set_defaults(fn=_serve)
 
 
 def _common() -> argparse.ArgumentParser:
@@ -286,12 +261,15 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", help="PNG path (default: RUN_DIR/reward.png)")
     pl.set_defaults(fn=_plot)
     m = add("models", help="list the model aliases and where they come from; prepare local models")
-    m.add_argument("action", nargs="?", default="list", choices=["list", "prepare", "tiny"],
-                   help="list (default) | prepare ALIAS | tiny OUT_DIR")
-    m.add_argument("name", nargs="?", help="alias (smollm2) for prepare; output folder for tiny")
+    m.add_argument("action", nargs="?", default="list", choices=["list", "prepare", "tiny", "tiny-moe", "tiny-vlm"],
+                   help="list (default) | prepare ALIAS | tiny OUT_DIR | tiny-moe OUT_DIR | tiny-vlm OUT_DIR")
+    m.add_argument("name", nargs="?", help="alias (smollm2) for prepare; output folder for tiny, tiny-moe and "
+                   "tiny-vlm")
     m.add_argument("--force", action="store_true")
     m.set_defaults(fn=_models)
-    _serve_parser(add("serve", help="serve a model over HTTP (SGLang-compatible native API + OpenAI API)"))
+    sv = add("serve", help="serve a model over HTTP (SGLang-compatible native API + OpenAI API)")
+    add_serve_arguments(sv)
+    sv.set_defaults(fn=_serve)
     d = add("doctor", help="print this machine's CPU, what relayrl measured on it and what it chooses")
     d.add_argument("--remeasure", action="store_true", help="drop this machine's cached measurements first")
     d.set_defaults(fn=_doctor)
@@ -322,12 +300,38 @@ def _run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, InputError) as e:  # a user's file: the message names it (and the line)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if _write_errno(e) is None:
+            raise
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 2
     except Terminated:
         print("terminated (SIGTERM)", file=sys.stderr)
         return 143
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+# what a full, read-only or immutable disk, or an output path that is a file, raises: the user's to fix, so one
+# line naming the path, not a traceback (the writers leave what was there intact: atomic renames, whole lines)
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM,
+                          errno.ENOTDIR, errno.EEXIST, errno.EISDIR, errno.ENAMETOOLONG})
+
+
+def _write_errno(e: BaseException | None) -> int | None:
+    """The write errno of `e` or of an error it was raised from (relayrl re-raises them with the path added)."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:
+            return e.errno
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _one_line(e: OSError) -> str:
+    if e.errno and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    return str(e).replace("\n", " ")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,16 @@ Python lists until then, so samples are cheap to copy, pickle, log and send over
 Per response token a sample carries: the logprob the sampling engine assigned (`logprobs`), the policy
 version that produced it (`versions`), and whether the loss sees it (`loss_mask`). Tokens that the
 agent inserted itself (feedback turns, tool results) have loss_mask 0, logprob 0.0 and version -1.
+
+A mixture-of-experts policy's sample also carries `routed_experts`: the experts the engine's routers chose for
+each position it ran, [positions, MoE layers, k] small ints (relayrl.engine.routing), which the trainer replays
+(algo.routing_replay). The latest engine call's array covers every position before its last token (the call's
+prompt holds the earlier turns), so each call replaces it.
+
+A vision-language policy's sample carries its prompt's `images`: the image files' bytes, in the order of the
+prompt's image placeholders (which the model's processor expanded into image tokens in prompt_ids). The engine and
+the trainer each turn them into pixels with the model's image processor; the bytes are far smaller than the pixels
+(relayrl.trainer.vision says why they are kept instead).
 """
 
 from __future__ import annotations
@@ -15,7 +25,10 @@ import enum
 import itertools
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # only annotations: the sandbox's own interpreter imports relayrl without numpy
+    import numpy as np
 
 NO_VERSION = -1  # version of tokens that no policy produced (prompt continuations, tool output)
 
@@ -70,12 +83,18 @@ class Sample:
     error: str | None = None
     response_text: str = ""
     seed: int | None = None  # sampling seed: the same sample gets the same tokens however it is batched
+    routed_experts: np.ndarray | None = None  # MoE only: [positions, MoE layers, k] uint8/int16 (module docstring)
+    images: list[bytes] = field(default_factory=list)  # a vision-language prompt's image files (module docstring)
 
     # ---- growth -------------------------------------------------------------------------------
-    def append_generated(self, ids: list[int], logprobs: list[float], versions: list[int], finish: str) -> None:
-        """Append tokens an engine sampled; they are trained on and form one turn."""
+    def append_generated(self, ids: list[int], logprobs: list[float], versions: list[int], finish: str,
+                         routed_experts: np.ndarray | None = None) -> None:
+        """Append tokens an engine sampled; they are trained on and form one turn. `routed_experts`: the engine call's
+        (GenOutput.routed_experts), which covers this sample's earlier positions too and so replaces the kept one."""
         if not (len(ids) == len(logprobs) == len(versions)):
             raise ValueError(f"lengths differ: ids={len(ids)} logprobs={len(logprobs)} versions={len(versions)}")
+        if routed_experts is not None:
+            self.routed_experts = routed_experts
         start = len(self.response_ids)
         self.response_ids += ids
         self.logprobs += logprobs

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check: on a machine with CUDA, run the GPU tests (pytest -m gpu: engine logprob parity, a train step, weight
-# sync, a colocated run, all on the tiny random model), the rollout and train-step benches on the GPU, one GRPO step
+# sync, a colocated run, all on the tiny random model; with 2+ GPUs the multi-GPU stage), the rollout and train-step benches on the GPU, one GRPO step
 # against TRL's GRPOTrainer on the GPU (where TRL is installed), a short
 # GSM8K GRPO run through the CLI on the GPU and the decode-step probes (`bench/engine.py engine_step_parts` with the
 # engine's CUDA graphs and without, `bench/engine.py decode_profile` with and without SDPA's cuDNN backend; the
@@ -50,7 +50,16 @@ step() {  # step NAME SECONDS COMMAND...
 }
 mkdir -p bench/results
 run_dir=$(mktemp -d)
-step tests 300 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider
+step tests 300 "$PY" -m pytest -m "gpu and not multigpu" -q -rs -p no:cacheprovider
+# the multi-GPU stage: FSDP2 over NCCL, an NCCL weight broadcast into an engine on another GPU, Ray placing a trainer
+# rank on each GPU (tests/e2e/test_multigpu.py); with one GPU it is skipped, and says so
+gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+if [ "$gpus" -ge 2 ]; then
+    step multigpu 900 "$PY" -m pytest -m multigpu -q -rs -p no:cacheprovider
+else
+    echo "gpu_check: multigpu SKIPPED: this machine has $gpus GPU; FSDP2 over NCCL, the NCCL weight broadcast and" \
+        "Ray over several GPUs need two or more (tests/e2e/test_multigpu.py)"
+fi
 # where a decode step's time goes (relayrl's engine vs the bare model call), with the engine's CUDA graphs and without,
 # and the bare call with SDPA's cuDNN backend off (relayrl's setting) and on (torch's own choice): the checks of
 # relayrl.engine.decode_graphs and relayrl.common.device.avoid_cudnn_attention

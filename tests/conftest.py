@@ -29,6 +29,22 @@ def tiny_path():
     return str(tiny_model("qwen2"))
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_path():
+    """A tiny random Qwen3-MoE (8 experts, 2 per token, every layer sparse) with the same tokenizer."""
+    from relayrl.models import tiny_model
+
+    return str(tiny_model("qwen3_moe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_path():
+    """A tiny random Idefics3 (a Llama text model, 16 image tokens per 64 x 64 image) with its processor."""
+    from relayrl.models import tiny_vlm_model
+
+    return str(tiny_vlm_model())
+
+
 # A tiny run: the tiny model in fp32 (precision pinned: `auto` differs between CPU kinds, bf16 autocast where
 # native), 2 prompts x 2 samples, 10 new tokens, 2 steps, a fast judge (its reward module imports no torch:
 # rewards_for_tests), no extra output.

@@ -15,6 +15,7 @@ Rewards: the episode's return value (a number) is the episode reward; per-call r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,11 +29,18 @@ from relayrl.agents.chat import continuation_ids, end_of_turn_id
 from relayrl.agents.reflection import turn_returns
 from relayrl.common.utils import import_from_path
 from relayrl.engine.base import GenOutput, SamplingParams, TokenCallback
+from relayrl.engine.stops import cut_at_stop
 from relayrl.judge import REJECTED_PREFIX
 from relayrl.sample import Sample, Status
-from relayrl.serve.openai_api import chat_response, make_openai_app
-from relayrl.tools import Tool
-from relayrl.tools.calls import parse_tool_calls, tools_system_prompt
+from relayrl.serve import openai_params
+from relayrl.serve.chat_tools import ChatTools, ToolChoice
+from relayrl.serve.errors import BadRequest
+from relayrl.serve.limits import ServerLimits, flag
+from relayrl.serve.openai_api import Alternatives, chat_response, make_openai_app
+from relayrl.serve.openai_params import Logprobs
+from relayrl.serve.streaming import stream_options
+
+_UNBOUNDED = 2**31  # limits a recorded call does not have (the episode proxy sets its own caps)
 
 
 @dataclass
@@ -74,76 +82,145 @@ def session_of(client: openai.AsyncOpenAI) -> Session:
 
 
 def _same_message(sent: dict[str, Any], reply: dict[str, Any]) -> bool:
-    """Whether a message the client sent back is the assistant reply we produced (openai adds fields)."""
+    """Whether a message the client sent back is the assistant reply we produced (openai adds fields; arguments
+    come back as JSON strings or, once checked (relayrl.serve.openai_params.messages), as objects)."""
+    def args(raw: Any) -> Any:
+        if not isinstance(raw, str):
+            return raw or {}
+        try:
+            return json.loads(raw or "{}")
+        except ValueError:
+            return raw
+
     def calls(m):
-        return [(c["function"]["name"], json.loads(c["function"]["arguments"] or "{}"))
-                for c in m.get("tool_calls") or []]
+        return [(c["function"]["name"], args(c["function"].get("arguments"))) for c in m.get("tool_calls") or []]
 
     same_text = (sent.get("content") or "") == (reply.get("content") or "")
     return sent.get("role") == "assistant" and same_text and calls(sent) == calls(reply)
 
 
+@dataclass(frozen=True)
+class ChatRequest:
+    """A chat call checked whole the way `relayrl serve` checks one (relayrl.serve.openai_params, chat_tools,
+    streaming), before any of it is served: the same fields refused with the same 400s."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    choice: ToolChoice
+    params: SamplingParams
+    asked: Logprobs
+    with_ids: bool
+    stream: bool | None  # None: not streamed; else whether the usage chunk is asked for
+
+
 class RecordingBackend:
-    """ChatBackend for `make_openai_app`: serves chat calls with the rollout controller and records them."""
+    """ChatBackend for `make_openai_app`: serves chat calls with the rollout controller and records them. Requests
+    are read as `relayrl serve` reads them (`request`), and replies are made by its code: stop strings cut the
+    text (the recorded tokens keep every sampled token), top_logprobs, tool calls in the served template's format
+    with tool_choice (relayrl.serve.chat_tools)."""
 
     model_name = "relayrl-policy"
 
     def __init__(self, rollout_ctl, tokenizer, sampling: SamplingParams):
         self.rollout_ctl, self.tokenizer, self.sampling = rollout_ctl, tokenizer, sampling
         self.eot = end_of_turn_id(tokenizer)
-        self.native_tools = "tools" in (getattr(tokenizer, "chat_template", "") or "")
+        self.tools = ChatTools(tokenizer)
+        # what a call may ask: any length (the proxy caps it), one sample, token ids of the tokenizer
+        self.limits = ServerLimits(_UNBOUNDED, len(tokenizer), _UNBOUNDED, _UNBOUNDED, 1, _UNBOUNDED)
         self.sessions: dict[str, Session] = {}
 
-    def prompt_ids(self, session: Session, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    def request(self, body: dict[str, Any]) -> ChatRequest:
+        """The call's body checked (400 naming the field, as `relayrl serve` answers); pure, so the episode proxy
+        runs it in its own thread before the call reaches the episode's loop."""
+        stream = stream_options(body)
+        asked = openai_params.logprob_options(body, chat=True)
+        messages = openai_params.messages(body.get("messages"), self.limits)
+        tools = openai_params.tools(body.get("tools"))
+        choice = self.tools.choice(body.get("tool_choice"), tools, flag(body, "parallel_tool_calls", True))
+        if body.get("n") not in (None, 1):
+            raise BadRequest("n", "must be 1: each call of an episode is one sample of its trajectory",
+                             "unsupported_value")
+        asked_tokens = requested_tokens(body, self.sampling.max_new_tokens)
+        checked, _ = openai_params.sampling({**body, "max_tokens": None, "max_completion_tokens": None},
+                                            self.limits, 0)
+        s = self.sampling
+        params = dataclasses.replace(
+            checked, max_new_tokens=asked_tokens, top_logprobs=asked.top, ignore_eos=s.ignore_eos or checked.ignore_eos,
+            temperature=checked.temperature if body.get("temperature") is not None else s.temperature,
+            top_p=checked.top_p if body.get("top_p") is not None else s.top_p,
+            top_k=checked.top_k if body.get("top_k") is not None else s.top_k,
+            stop_token_ids=tuple(dict.fromkeys(s.stop_token_ids + checked.stop_token_ids)))
+        return ChatRequest(messages, tools, choice, params, asked, flag(body, "return_token_ids", False), stream)
+
+    def prompt_ids(self, session: Session, req: ChatRequest) -> list[int]:
+        messages, tools = req.messages, req.tools
+        prefill = self.tokenizer(req.choice.prefill, add_special_tokens=False)["input_ids"] if req.choice.prefill \
+            else []
         for call in reversed(session.calls):  # incremental: reuse the tokens of the conversation so far
             n = len(call.messages)
             if len(messages) > n + 1 and messages[:n] == call.messages and _same_message(messages[n], call.reply):
                 ids = call.prompt_ids + call.out.output_ids
                 if call.out.output_ids[-1:] != [self.eot]:
                     ids = ids + [self.eot]
-                return ids + continuation_ids(self.tokenizer, messages[n + 1:], tools if self.native_tools else None)
-        if tools and not self.native_tools:
-            described = [Tool(t["function"]["name"], t["function"].get("description", ""),
-                              t["function"].get("parameters", {}), None) for t in tools]
-            messages = [{"role": "system", "content": tools_system_prompt(described)}] + messages
-        kw = {"tools": tools} if tools and self.native_tools else {}
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                native = tools if self.tools.native else None
+                return ids + continuation_ids(self.tokenizer, messages[n + 1:], native) + prefill
+        rendered, kw = self.tools.template_inputs(messages, tools)
+        try:
+            text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **kw)
+        except Exception as e:  # the messages' fault (roles that do not alternate...): 400, as serve answers
+            raise openai_params.render_error(e) from None
+        return self.tokenizer(text + req.choice.prefill, add_special_tokens=False)["input_ids"]
 
-    def params(self, body: dict[str, Any]) -> SamplingParams:
-        s = self.sampling
-        return SamplingParams(max_new_tokens=int(body.get("max_completion_tokens") or body.get("max_tokens")
-                                                 or s.max_new_tokens),
-                              temperature=float(body.get("temperature", s.temperature)),
-                              top_p=float(body.get("top_p", s.top_p)), top_k=s.top_k,
-                              stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, seed=body.get("seed"))
+    async def chat(self, body: dict[str, Any], sid: str | None) -> dict[str, Any]:
+        """The in-process client's calls (OpenAIAgent): checked, served and recorded."""
+        req = self.request(body)
+        if req.stream is not None:
+            raise BadRequest("stream", "is not supported by the in-process client (the episode proxy streams)",
+                             "unsupported_value")
+        return (await self.serve(req, sid))[0]
 
-    async def chat(self, body: dict[str, Any], sid: str | None, on_token: TokenCallback | None = None
-                   ) -> dict[str, Any]:
-        """Serve and record one call; `on_token` streams its tokens as they are sampled (the episode proxy)."""
+    async def serve(self, req: ChatRequest, sid: str | None, on_token: TokenCallback | None = None
+                    ) -> tuple[dict[str, Any], GenOutput]:
+        """Serve and record one checked call; the reply and the recorded output. `on_token` streams its tokens
+        as they are sampled (the episode proxy)."""
         if sid not in self.sessions:
             raise KeyError(f"unknown session {sid!r}")
         session = self.sessions[sid]
-        messages = [dict(m) for m in body["messages"]]
-        prompt_ids = self.prompt_ids(session, messages, body.get("tools"))
-        out = await self.rollout_ctl.generate(prompt_ids, self.params(body), rid=sid, on_token=on_token)
-        text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
-        parsed = [c for c in parse_tool_calls(text) if isinstance(c, dict)] if body.get("tools") else []
-        tool_calls = [{"id": f"call_{sid}_{len(session.calls)}_{i}", "type": "function",
-                       "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
-                      for i, c in enumerate(parsed)]
-        content = text.split("<tool_call>")[0].strip() if tool_calls else text
+        prompt_ids = self.prompt_ids(session, req)
+        out = await self.rollout_ctl.generate(prompt_ids, req.params, rid=sid, on_token=on_token)
+        content, tool_calls, finish = self.reply(req, out)
         cid = f"chatcmpl-{sid}-{len(session.calls)}"
-        reply = {"role": "assistant", "content": content or None, "tool_calls": tool_calls or None}
-        session.calls.append(Call(cid, messages, prompt_ids, out, reply))
-        finish = "tool_calls" if tool_calls else ("length" if out.finish_reason == "length" else "stop")
-        tokens = [self.tokenizer.decode([t]) for t in out.output_ids] if body.get("logprobs") else None
-        return chat_response(cid, self.model_name, content or None, tool_calls or None, finish, prompt_ids,
-                             out.output_ids, out.logprobs if body.get("logprobs") else None, tokens,
-                             bool(body.get("return_token_ids")))
+        reply = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+        session.calls.append(Call(cid, req.messages, prompt_ids, out, reply))
+        wanted = req.asked.wanted
+        tokens = [self.tokenizer.decode([t]) for t in out.output_ids] if wanted else None
+        top = [self.alternatives(a) for a in out.top_logprobs or []] if req.asked.top else None
+        return chat_response(cid, self.model_name, content, tool_calls, finish, prompt_ids, out.output_ids,
+                             out.logprobs if wanted else None, tokens, req.with_ids, top), out
+
+    def reply(self, req: ChatRequest, out: GenOutput) -> tuple[str | None, list[dict[str, Any]] | None, str]:
+        """(content, tool_calls, finish_reason) as `relayrl serve` makes them: the text cut before a stop string,
+        calls parsed in the template's format per tool_choice."""
+        stops = req.params.stop_strings
+        text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+        text = cut_at_stop(text, stops) if out.stop_string is not None else text
+        finish = {"length": "length", "abort": "abort"}.get(out.finish_reason, "stop")
+        content, calls, finish = self.tools.reply(req.choice, out, text, stops, finish)
+        return content or None, calls, finish
+
+    def alternatives(self, alts: list[tuple[int, float]]) -> Alternatives:
+        return [(self.tokenizer.decode([t]), lp) for t, lp in alts]
 
     async def complete(self, body: dict[str, Any], sid: str | None) -> dict[str, Any]:
         raise ValueError("agents use chat completions; /v1/completions is served by `relayrl serve`")
+
+
+def requested_tokens(body: dict[str, Any], default: int) -> int:
+    """The call's own token limit (max_completion_tokens, else max_tokens), else `default`."""
+    value = body.get("max_completion_tokens") or body.get("max_tokens") or default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BadRequest("max_tokens", f"must be a positive integer, got {value!r}")
+    return value
 
 
 def session_samples(session: Session, base: Sample) -> list[Sample]:
@@ -157,7 +234,8 @@ def session_samples(session: Session, base: Sample) -> list[Sample]:
             samples.append(s)
         else:
             s.append_context(call.prompt_ids[len(s.input_ids):])
-        s.append_generated(call.out.output_ids, call.out.logprobs, call.out.versions, call.out.finish_reason)
+        out = call.out  # the call's prompt is the chain so far, so its routing covers the whole sample
+        s.append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason, out.routed_experts)
     return samples
 
 

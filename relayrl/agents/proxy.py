@@ -14,19 +14,29 @@ loop or thread the scheduler runs episodes in.
 Caps (a flooding program costs its episode only): at most `max_calls` chat completions and `max_tokens`
 generated tokens per episode; a call past either is answered 429 and fails the episode. Each call generates at
 most `per_call_tokens` (the run's `sampling.max_new_tokens`): a program's `max_tokens` may lower it, not raise it;
-temperature and top_p are always the run's (the trainer recomputes logprobs at the run's temperature).
+temperature, top_p and top_k are always the run's (the trainer recomputes logprobs at the run's temperature).
+
+A call is read as `relayrl serve` reads one (RecordingBackend.request, with relayrl.serve's checks) and answered
+by the same code: `stop` ends generation in the engine and cuts the returned text before the stop string, while
+the recorded tokens keep every sampled token (relayrl.engine.stops); `logprobs` / `top_logprobs`; tool calls in
+the served chat template's format (Hermes, Llama 3, Mistral) with `tool_choice` auto / none / a named function
+and `parallel_tool_calls` (relayrl.serve.chat_tools). What serve refuses is refused with the same 400 naming
+the field: `tool_choice: required`, `response_format` json, guided decoding, penalties, logit_bias, the legacy
+`functions`; and `n` other than 1 (each call is one sample of the episode's trajectory).
 
 `stream: true` streams token by token with `relayrl serve`'s code (relayrl.serve.streaming): OpenAI's
 chat.completion.chunk events as the engine samples the tokens (the rollout controller hands them on), the content
-up to where a `<tool_call>` starts, the parsed tool calls and the finish reason at the end, usage when
-`stream_options.include_usage`, then `[DONE]`. The call is recorded exactly as an unstreamed one; a refusal that
-comes before the first token (the caps, a malformed request) is the same HTTP error as an unstreamed call's.
+up to where a tool call may start (stop strings held back), the parsed tool calls and the finish reason at the
+end, usage when `stream_options.include_usage`, then `[DONE]`. The call is recorded exactly as an unstreamed one;
+a refusal that comes before the first token (the caps, a malformed request) is the same HTTP error as an
+unstreamed call's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import secrets
 import socket
 import threading
@@ -38,7 +48,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from relayrl.agents.openai_agent import RecordingBackend, Session
+from relayrl.agents.openai_agent import ChatRequest, RecordingBackend, Session, requested_tokens
 from relayrl.engine.base import GenOutput, TokenCallback
 from relayrl.serve.errors import (
     ApiError,
@@ -49,9 +59,9 @@ from relayrl.serve.errors import (
     read_json,
 )
 from relayrl.serve.limits import DEFAULT_MAX_BODY
-from relayrl.serve.streaming import Answer, ChatChunks, Choice, IncrementalText, Stream, stream_options
+from relayrl.serve.streaming import Answer, ChatChunks, Choice, IncrementalText, Stream
 
-_RUN_OWNS = ("max_completion_tokens", "temperature", "top_p")  # set by the run, not by a program's call
+_RUN_OWNS = ("max_completion_tokens", "temperature", "top_p", "top_k")  # set by the run, not by a program's call
 
 
 class EpisodeFailed(RuntimeError):
@@ -143,10 +153,15 @@ class EpisodeProxy:
             try:
                 ep = self._episode(eid, request)
                 body = await read_json(request, self.max_body_bytes)
-                usage = stream_options(body)
-                if usage is not None:
-                    return await self._stream(ep, body, usage)
-                reply, _ = await asyncio.wrap_future(self._call(ep, body))
+                if not isinstance(body, dict):
+                    raise BadRequest("body", "must be a JSON object")
+                wanted = requested_tokens(body, self.per_call_tokens)
+                # checked whole as relayrl serve checks it; the run's temperature and top_p (the trainer
+                # recomputes logprobs at the run's temperature)
+                req = self.backend.request({k: v for k, v in body.items() if k not in _RUN_OWNS})
+                if req.stream is not None:
+                    return await self._stream(ep, req, wanted)
+                reply, _ = await asyncio.wrap_future(self._call(ep, req, wanted))
             except EpisodeFailed as e:
                 return api_error_response(ApiError(429, None, str(e), "episode_limit_exceeded"))
             except ApiError as e:
@@ -165,26 +180,26 @@ class EpisodeProxy:
 
         return app
 
-    def _call(self, ep: Episode, body: dict[str, Any],
+    def _call(self, ep: Episode, req: ChatRequest, wanted: int,
               on_token: TokenCallback | None = None) -> concurrent.futures.Future:
         """Serve the call in its episode's loop (`_serve`); closing the episode cancels it."""
-        fut = asyncio.run_coroutine_threadsafe(self._serve(ep, body, on_token), ep.loop)
+        fut = asyncio.run_coroutine_threadsafe(self._serve(ep, req, wanted, on_token), ep.loop)
         ep.pending.add(fut)
         fut.add_done_callback(ep.pending.discard)
         return fut
 
-    async def _stream(self, ep: Episode, body: dict[str, Any], usage: bool) -> Response:
+    async def _stream(self, ep: Episode, req: ChatRequest, wanted: int) -> Response:
         """Serve a streamed call (module doc): the response starts once its first token is sampled, so a refusal
         before that is answered as an unstreamed call's; a client that hangs up cancels the call."""
-        loop, tok = asyncio.get_running_loop(), self.backend.tokenizer
-        answer = Answer(lambda ids: [tok.decode([t]) for t in ids], lambda alts: [], bool(body.get("logprobs")),
-                        False, bool(body.get("return_token_ids")))
+        loop, tok, backend = asyncio.get_running_loop(), self.backend.tokenizer, self.backend
+        answer = Answer(lambda ids: [tok.decode([t]) for t in ids], backend.alternatives, req.asked.wanted,
+                        bool(req.asked.top), req.with_ids)
         served: dict[str, Any] = {}  # the call's reply, once served
         chunks = _CallChunks(answer, lambda out, params: _reply_parts(served))
-        text = IncrementalText(lambda ids: tok.decode(ids, skip_special_tokens=True), (),
-                               "<tool_call>" if body.get("tools") else None)
-        choice = Choice(0, [], self.backend.sampling, text)
-        stream = Stream(f"chatcmpl-{secrets.token_hex(12)}", self.backend.model_name, chunks, [choice], usage, 0)
+        text = IncrementalText(lambda ids: tok.decode(ids, skip_special_tokens=True), req.params.stop_strings,
+                               backend.tools.call_start(req.choice))
+        choice = Choice(0, [], req.params, text)
+        stream = Stream(f"chatcmpl-{secrets.token_hex(12)}", backend.model_name, chunks, [choice], req.stream, 0)
         started, listener, out = asyncio.Event(), stream.listener(0), loop.create_future()
 
         def on_token(token: int, logprob: float, top: list[tuple[int, float]] | None) -> None:
@@ -203,7 +218,7 @@ class EpisodeProxy:
                 stream.prompt_tokens = reply["usage"]["prompt_tokens"]
                 out.set_result(gen)
 
-        call = self._call(ep, body, on_token)
+        call = self._call(ep, req, wanted, on_token)
         asyncio.wrap_future(call).add_done_callback(done)
         out.add_done_callback(lambda f: call.cancel() if f.cancelled() else None)  # the client went away
         stream.start([out])
@@ -217,11 +232,10 @@ class EpisodeProxy:
         return StreamingResponse(stream.events(), media_type="text/event-stream")
 
     # ---- serving (episode loop) -------------------------------------------------------------------
-    async def _serve(self, ep: Episode, body: dict[str, Any],
+    async def _serve(self, ep: Episode, req: ChatRequest, wanted: int,
                      on_token: TokenCallback | None = None) -> tuple[dict[str, Any], GenOutput]:
-        """Check the caps, reserve the call's tokens, generate and record it (RecordingBackend.chat); the reply
-        and the recorded output."""
-        check_messages(body)
+        """Check the caps, reserve the call's tokens (at most `wanted`), generate and record it
+        (RecordingBackend.serve); the reply and the recorded output."""
         if ep.failure is not None:
             raise EpisodeFailed(ep.failure)
         if ep.calls >= ep.max_calls:
@@ -229,38 +243,18 @@ class EpisodeProxy:
         left = ep.max_tokens - ep.tokens
         if left <= 0:
             raise ep.fail(f"the episode generated max_tokens={ep.max_tokens} tokens and asked for more")
-        n = min(self.per_call_tokens, left, requested_tokens(body, self.per_call_tokens))
+        n = min(self.per_call_tokens, left, wanted)
         ep.calls += 1
         ep.tokens += n
-        # the run's temperature and top_p: the trainer recomputes logprobs at the run's temperature
-        body = {k: v for k, v in body.items() if k not in _RUN_OWNS} | {"max_tokens": n}
         used = 0
         try:
-            reply = await self.backend.chat(body, ep.session.sid, on_token)
-            used = reply["usage"]["completion_tokens"]
-            return reply, ep.session.calls[-1].out
+            reply, out = await self.backend.serve(
+                dataclasses.replace(req, params=dataclasses.replace(req.params, max_new_tokens=n)), ep.session.sid,
+                on_token)
+            used = len(out.output_ids)
+            return reply, out
         finally:
             ep.tokens -= n - used
-
-
-def check_messages(body: dict[str, Any]) -> None:
-    """The request's messages are a list of objects with a role (else 400 naming the field, not a 500)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages", "must be a non-empty list of messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{i}]", "must be an object with a role")
-    if body.get("tools") is not None and not isinstance(body["tools"], list):
-        raise BadRequest("tools", "must be a list of tools")
-
-
-def requested_tokens(body: dict[str, Any], default: int) -> int:
-    """The call's own token limit (max_completion_tokens, else max_tokens), else `default`."""
-    value = body.get("max_completion_tokens") or body.get("max_tokens") or default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise BadRequest("max_tokens", f"must be a positive integer, got {value!r}")
-    return value
 
 
 class _CallChunks(ChatChunks):

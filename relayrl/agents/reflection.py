@@ -129,7 +129,7 @@ class ReflectionAgent(Agent):
                     sample.append_context([self.eot])
                 sample.append_context(feedback)
             out = await self.rollout_ctl.generate(sample.input_ids, self.params_for(sample, turn), rid=sample.uid)
-            sample.append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason)
+            sample.append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason, out.routed_experts)
             text = self.decode(out.output_ids)
             answers.append(final_answer(text))
             _, metrics, error = await self.judge.score(text, sample.data, sample.uid)

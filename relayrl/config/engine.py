@@ -9,6 +9,38 @@ from typing import Literal
 from relayrl.common.net import check_address
 from relayrl.config.loader import check
 
+# the flags relayrl puts on each launched server's command line itself (relayrl.run.launcher), so engine.server_args
+# must not pass them again: flag -> the config key that sets it (None: relayrl chooses it). SGLang's tensor
+# parallelism (--tp-size) and the like are not among them: they go in server_args
+SERVER_FLAGS: dict[str, dict[str, str | None]] = {
+    "relayrl": {"--model": "model.path", "--host": None, "--port": None, "--api-key": "engine.api_key",
+                "--insecure": None, "--dtype": "engine.dtype", "--seed": "run.seed",
+                "--max-batch-size": "engine.max_batch_size", "--max-seq-len": "engine.max_seq_len",
+                "--max-tokens-in-flight": "engine.max_tokens_in_flight", "--weights-root": "engine.weights_dir"},
+    "vllm": {"--model": "model.path", "--host": None, "--port": None, "--api-key": "engine.api_key",
+             "--dtype": "engine.dtype", "--seed": "run.seed", "--max-model-len": "engine.max_seq_len"},
+    "sglang": {"--model-path": "model.path", "--model": "model.path", "--host": None, "--port": None,
+               "--api-key": "engine.api_key", "--dtype": "engine.dtype", "--random-seed": "run.seed",
+               "--context-length": "engine.max_seq_len"},
+}
+
+
+def flag_name(arg: str) -> str:
+    """A command-line token as the flag it sets: `--max_model_len=8` -> `--max-model-len` (vLLM takes underscores)."""
+    return arg.split("=", 1)[0].replace("_", "-") if arg.startswith("--") else arg
+
+
+def reserved_flag_problem(launch: str, args: list[str]) -> str | None:
+    """Why `args` cannot follow relayrl's own flags on `launch`'s command line (None: they may)."""
+    for arg in args:
+        flag = flag_name(arg)
+        if flag in ("-h", "--help"):
+            return f"{arg}: the server would print its help and exit"
+        if flag in SERVER_FLAGS[launch]:
+            key = SERVER_FLAGS[launch][flag]
+            return f"{flag} is set by relayrl itself" + (f" (from {key}; set that instead)" if key else "")
+    return None
+
 
 @dataclass
 class EngineConfig:
@@ -54,8 +86,15 @@ class EngineConfig:
     # remote engines: servers at `addresses`, or num_engines servers started by the run (`launch`)
     backend: Literal["sglang", "vllm"] = "sglang"  # sglang: SGLang's native API (also `relayrl serve`)
     addresses: list[str] = field(default_factory=list)  # e.g. ["http://10.0.0.5:30000"]
-    launch: Literal["none", "relayrl", "vllm"] = "none"  # start the servers as subprocesses, stop them at exit
+    # start the servers as subprocesses (their logs in RUN_DIR/servers/), stop them at exit: `relayrl serve`, vLLM's
+    # OpenAI server, or SGLang (CUDA only); the command lines: relayrl.run.launcher, docs/guide.md
+    launch: Literal["none", "relayrl", "vllm", "sglang"] = "none"
+    # launched servers: more command-line arguments, appended as written (["--tp-size", 2, "--enable-lora"]), checked
+    # before any model loads against the server's own parser (relayrl serve; vLLM's when vllm_python exists). Flags
+    # relayrl sets itself (SERVER_FLAGS: model, host, port, API key, and those with a key here) are refused
+    server_args: list[str | int | float] = field(default_factory=list)
     vllm_python: str = ".venv-vllm/bin/python"  # launch=vllm: the interpreter of vLLM's own virtualenv
+    sglang_python: str | None = None  # launch=sglang: the interpreter SGLang is installed in (default: this one)
     api_key: str | None = None  # sent as a bearer token to the servers, and required by launched ones
     weights_dir: str | None = None  # where new weights are written for the servers (default RUN_DIR/weights)
     request_timeout: float = 600.0  # seconds per generation request
@@ -80,10 +119,11 @@ class EngineConfig:
         check(self.request_timeout > 0, "request_timeout", "must be > 0")
         if self.kind == "remote":
             check(bool(self.addresses) != (self.launch != "none"), "addresses",
-                  "engine.kind=remote needs either addresses (running servers) or launch=relayrl|vllm, not both")
+                  "engine.kind=remote needs either addresses (running servers) or launch=relayrl|vllm|sglang, not both")
             check(self.launch != "relayrl" or self.backend == "sglang", "backend",
                   "launch=relayrl serves the sglang-native API: set backend=sglang")
             check(self.launch != "vllm" or self.backend == "vllm", "backend", "launch=vllm needs backend=vllm")
+            check(self.launch != "sglang" or self.backend == "sglang", "backend", "launch=sglang needs backend=sglang")
             check(self.weight_sync == "disk" or self.backend == "sglang", "weight_sync",
                   "distributed needs backend=sglang (SGLang's broadcast routes, also served by relayrl serve): "
                   "vLLM's weight-transfer routes use their own NCCL rendezvous, which relayrl does not speak; "
@@ -97,3 +137,21 @@ class EngineConfig:
               "must be >= 1")
         check(self.weight_sync == "disk" or self.kind == "remote", "weight_sync",
               "distributed sends weights to inference servers: it needs kind=remote")
+        self._check_server_args()
+
+    def _check_server_args(self) -> None:
+        """engine.server_args: for launched servers only, a command line that starts with a flag, no flag relayrl
+        sets itself (the server's own parser is consulted later, before any model loads: relayrl.run.launcher)."""
+        if not self.server_args:
+            return
+        check(self.launched_servers > 0, "server_args",
+              "only for servers the run starts (engine.kind=remote with engine.launch=relayrl|vllm|sglang)")
+        args = [str(a) for a in self.server_args]
+        check(args[0].startswith("-"), "server_args", f"must start with a flag (--name), got {args[0]!r}")
+        problem = reserved_flag_problem(self.launch, args)
+        check(problem is None, "server_args", f"{problem}")
+
+    @property
+    def launch_args(self) -> list[str]:
+        """engine.server_args as command-line strings (YAML reads `2` as a number)."""
+        return [str(a) for a in self.server_args]

@@ -12,6 +12,9 @@ Decisions worth knowing:
 - numbers must be finite: ``.nan`` / ``.inf`` are refused for every int/float field (no key means "infinite";
   keys that can be unlimited take ``null``), so a NaN cannot slip past ``x > 0``-style checks.
 - a file that is not UTF-8 or not valid YAML is reported with its line (and column), never a traceback.
+- aliases are bounded (`MAX_ALIASES`, `MAX_ALIAS_GROWTH`, `MAX_DEPTH`): PyYAML shares an aliased node, but
+  everything downstream (validation, deepcopy, `--print-config`, config.yaml) expands it, so a few hundred bytes
+  of nested aliases ("billion laughs") would hang the run or write gigabytes. Legitimate configs use a handful.
 """
 
 from __future__ import annotations
@@ -72,8 +75,81 @@ def check(cond: bool, key: str, msg: str) -> None:
         raise ConfigError(msg, key=key)
 
 
+MAX_ALIASES = 100  # `*name` references in one document
+MAX_ALIAS_GROWTH = 1_000_000  # values + characters that aliases add once expanded
+MAX_DEPTH = 64  # nesting of mappings and lists, aliases expanded
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 scientific floats and duplicate-key detection (see module docstring)."""
+    """SafeLoader with YAML 1.2 scientific floats, duplicate-key detection and bounded aliases (see module
+    docstring)."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._aliases = self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_ALIASES:
+                raise yaml.composer.ComposerError(None, None, f"more than {MAX_ALIASES} aliases (*name); write the "
+                                                  "values out", event.start_mark)
+            return super().compose_node(parent, index)
+        self._depth += 1  # checked while composing: PyYAML's composer recurses, a deep file would crash it
+        try:
+            if self._depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"nested more than {MAX_DEPTH} levels deep",
+                                                  event.start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        if node is not None:
+            _check_expansion(node)
+        return node
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Refuse a node graph whose aliases, expanded, nest deeper than MAX_DEPTH, add more than MAX_ALIAS_GROWTH
+    (values + characters), or refer to themselves. Each distinct node is visited once (sizes memoised), and the
+    walk keeps its own stack: an expanded path can be MAX_ALIASES x MAX_DEPTH long."""
+    size: dict[int, int] = {}
+    height: dict[int, int] = {}
+    distinct = 0
+    open_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            kids = _children(node)
+            own = 1 + (len(node.value) if isinstance(node, yaml.ScalarNode) else 0)
+            size[key] = own + sum(size[id(k)] for k in kids)
+            height[key] = 1 + max((height[id(k)] for k in kids), default=0)
+            distinct += own
+            open_nodes.discard(key)
+            problem = (f"aliases nest more than {MAX_DEPTH} levels deep" if height[key] > MAX_DEPTH else
+                       f"aliases expand to more than {MAX_ALIAS_GROWTH:,} values and characters beyond the file's "
+                       "own (an alias bomb?); write the values out" if size[key] - distinct > MAX_ALIAS_GROWTH
+                       else None)
+            if problem:
+                raise yaml.composer.ComposerError(None, None, problem, node.start_mark)
+        elif key in open_nodes:
+            raise yaml.composer.ComposerError(None, None, "an alias refers to a value that contains it",
+                                              node.start_mark)
+        elif key not in size:
+            open_nodes.add(key)
+            stack.append((node, True))
+            stack.extend((k, False) for k in _children(node) if id(k) not in size)
 
 
 _SCI_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
@@ -95,8 +171,9 @@ def _construct_map(loader: _Loader, node: yaml.MappingNode) -> Any:
 _Loader.add_constructor("tag:yaml.org,2002:map", _construct_map)
 
 
-def _read_yaml(path: str) -> dict[str, Any]:
-    """Read a YAML mapping; an empty file is an empty config."""
+def read_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML mapping (a config, a checkpoint's config.yaml) with the checks above; an empty file is an empty
+    config. Every problem is a ConfigError naming the file."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -190,7 +267,7 @@ def load_config(cls: type[T], path: str | None, overrides: Iterable[str] = (), *
     """
     overrides = list(overrides)
     source = _NO_SOURCE if path is None else str(path)
-    data = apply_overrides({} if path is None else _read_yaml(source), overrides)
+    data = apply_overrides({} if path is None else read_yaml(source), overrides)
     try:
         if presets_hook is not None:
             data = _run_presets_hook(presets_hook, data)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from relayrl.common.device import DEVICE_SETTINGS, valid_device_setting
+from relayrl.config.correction import RolloutCorrectionConfig
 from relayrl.config.engine import EngineConfig
 from relayrl.config.loader import check, fill_missing, load_config
 from relayrl.config.presets import DEFAULT_MAX_NEW_TOKENS, PRESETS, PresetName, int_at
@@ -176,10 +177,18 @@ class SchedulerConfig:
     mode: Literal["sync", "async"] = "sync"  # async: a producer keeps generating while the trainer trains
     max_staleness: int = 1  # async: policy versions a trained token may lag behind the trainer
     max_concurrency: int = 64  # async: prompt groups generating at once
-    over_sample: float = 0.0  # sync: start (1 + over_sample) x batch_size groups, keep the first to finish
+    # start over_sample x batch_size more groups than a batch needs; a batch is the first to finish. sync cancels the
+    # rest; async keeps them running (partial rollouts) for the next batch, which needs max_staleness >= 1
+    over_sample: float = 0.0
     group_filter: str = "none"  # none | mixed (drop groups whose rewards are all equal) | package.module:fn
     max_attempts_factor: float = 4.0  # groups tried per batch group when a filter drops groups
     partial_rollout: Literal["continue", "requeue"] = "continue"  # sequences in flight at a weight update
+    # async: a prompt whose groups expired this many times is set aside for a tail batch, not generated again first
+    # (0: off)
+    tail_batch_candidate_step: int = 0
+    # async: once this many prompts are set aside they run as a tail batch, first, and no other group starts until
+    # they finish (<= data.batch_size; 0: off)
+    tail_batch_trigger_size: int = 0
     placement: Literal["colocated", "separate"] = "colocated"  # separate: rollouts in their own process (async)
     transport: Literal["disk", "dist"] = "disk"  # separate: how weights reach it (safetensors | torch.distributed)
     producer_threads: int = 1  # separate: torch threads of the producer process
@@ -188,6 +197,17 @@ class SchedulerConfig:
         check(self.max_staleness >= 0, "max_staleness", "must be >= 0")
         check(self.max_concurrency >= 1, "max_concurrency", "must be >= 1")
         check(self.over_sample >= 0, "over_sample", "must be >= 0")
+        check(self.mode == "sync" or self.over_sample == 0 or self.max_staleness >= 1, "over_sample",
+              "with mode=async needs max_staleness >= 1: the extra groups are trained in the next batch, one version "
+              "later (or use mode=sync, which cancels them)")
+        check(self.tail_batch_candidate_step >= 0, "tail_batch_candidate_step", "must be >= 0 (0: off)")
+        check(self.tail_batch_trigger_size >= 0, "tail_batch_trigger_size", "must be >= 0 (0: off)")
+        check(self.tail_batch_candidate_step or not self.tail_batch_trigger_size, "tail_batch_candidate_step",
+              "must be > 0 with tail_batch_trigger_size set: the expiries that set a prompt aside for the tail batch")
+        check(self.tail_batch_trigger_size or not self.tail_batch_candidate_step, "tail_batch_trigger_size",
+              "must be > 0 with tail_batch_candidate_step set: the prompts set aside that start a tail batch")
+        check(self.mode == "async" or not self.tail_batch_trigger_size, "tail_batch_trigger_size",
+              "needs scheduler.mode=async (only an async producer's groups expire)")
         check(self.max_attempts_factor >= 1, "max_attempts_factor", "must be >= 1")
         check(self.placement == "colocated" or self.mode == "async", "placement",
               "separate placement needs scheduler.mode=async (a producer that runs beside the trainer)")
@@ -236,6 +256,13 @@ class AlgoConfig:
     # with one update per batch (train.epochs = train.minibatches = 1) pi_prox is the policy being trained, so its
     # logprobs are the training forward's own (detached): true spends a separate forward on them anyway
     recompute_prox: bool = False
+    # mixture-of-experts policies: the trainer's forwards use the experts the engine routed each token to (rollout
+    # routing replay, R3), with gating weights from the trainer's own router (relayrl.models.moe); an error on a
+    # dense model
+    routing_replay: bool = False
+    # importance weights for the engine/trainer mismatch, on by default where their precisions differ; with
+    # decoupled PPO on, they are its behaviour weight (algo.behav_weight_* then unused)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     def validate(self) -> None:
         check(self.clip_low >= 0, "clip_low", "clip ranges must be >= 0")
@@ -339,6 +366,10 @@ class RunConfig:
 
     def validate(self) -> None:
         check(self.steps >= 0, "steps", "must be >= 0")
+        # a plain folder name: '' or '.' would make output_dir itself the run folder (a resume moves everything in
+        # it aside), '..', a separator or an absolute name would write outside output_dir
+        check(self.name not in ("", ".", "..") and not any(c in self.name for c in "/\\\0"), "name",
+              f"must be a plain folder name (no '/', '\\', not empty, '.' or '..'), got {self.name!r}")
         check(valid_device_setting(self.device), "device", f"must be {DEVICE_SETTINGS}, got {self.device!r}")
         check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0 (0: no checkpoints)")
         check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
@@ -403,16 +434,16 @@ class Config:
         check(a.overlong_buffer < self.sampling.max_new_tokens, "algo.overlong_buffer",
               f"must be < sampling.max_new_tokens ({self.sampling.max_new_tokens}): the penalty ramps over the "
               "last overlong_buffer tokens before it")
+        check(self.scheduler.tail_batch_trigger_size <= self.data.batch_size, "scheduler.tail_batch_trigger_size",
+              f"is {self.scheduler.tail_batch_trigger_size}, larger than the batch (data.batch_size="
+              f"{self.data.batch_size}): a tail batch is at most one batch of prompts")
         if self.train.engine == "fsdp":
             check(self.scheduler.placement == "colocated", "scheduler.placement",
                   "train.engine=fsdp runs with colocated placement (sync or async) for now")
-        if self.scheduler.placement == "separate":  # the producer process holds the prompt position
+        if self.scheduler.placement == "separate":
             check(self.scheduler.transport == "disk" or self.engine.kind == "local", "scheduler.transport",
                   "transport=dist broadcasts into the producer's own engines (engine.kind=local); remote engines "
                   "get weights from disk: use scheduler.transport=disk")
-            check(self.run.checkpoint_every == 0, "run.checkpoint_every",
-                  "checkpoints are not supported with scheduler.placement=separate yet (use colocated)")
-            check(not self.run.resume, "run.resume", "resume is not supported with scheduler.placement=separate yet")
         if self.model.lora_rank:
             self._check_lora()
         self._fetch_hub_ids()
@@ -439,9 +470,13 @@ class Config:
 
     def _check_lora(self) -> None:
         """What LoRA (model.lora_rank > 0) does not support yet, refused before anything loads."""
-        check(self.train.engine == "local", "train.engine", "LoRA (model.lora_rank > 0) needs train.engine=local")
-        check(self.engine.kind == "local", "engine.kind", "LoRA (model.lora_rank > 0) relays adapters that only "
-              "local engines merge: use engine.kind=local (or lora_rank=0 for remote servers)")
+        # remote engines: relayrl serve merges the adapters (by path or broadcast), vLLM loads them as PEFT adapters
+        # (relayrl.engine.remote; a launched one starts with LoRA on, relayrl.run.launcher); SGLang's own adapter
+        # routes are not spoken
+        check(self.engine.launch != "sglang", "engine.launch", "LoRA (model.lora_rank > 0) with launch=sglang is "
+              "not supported: use launch=relayrl or launch=vllm")
+        check(self.engine.launch != "vllm" or self.model.lora_rank <= 512, "model.lora_rank",
+              f"vLLM serves LoRA adapters up to rank 512, got {self.model.lora_rank}")
 
     @property
     def run_dir(self) -> Path:

@@ -26,6 +26,8 @@ from relayrl.config.loader import decode_utf8
 from relayrl.config.schema import DatasetConfig, PromptConfig
 from relayrl.data.fields import map_row, row_function
 from relayrl.data.formats import MESSAGES, normalise_row, prompt_messages
+from relayrl.data.images import IMAGES
+from relayrl.models.images import decode_image
 
 GSM8K_ENV = "RELAYRL_GSM8K_DIR"
 BUILTIN_GSM8K = Path(__file__).resolve().parent / "builtin" / "gsm8k"
@@ -34,6 +36,9 @@ HF_SUFFIXES = (".parquet", ".csv", ".tsv", ".arrow")  # read through Hugging Fac
 Located = tuple[str, Any]  # (where, for errors: 'file:line' / 'file[i]'; the raw row)
 BUILTIN_SOURCES = ("gsm8k:", "reasoning_gym:")  # shipped tasks: they come with their answer-format instruction
 BOXED_SUFFIX = "\nPut your final answer within \\boxed{}."  # that instruction (math_reward reads \boxed{})
+# lists/objects inside one row: deeper rows are refused at load, since json (and later pickle, for the judge's
+# workers) recurse per level and would crash with a traceback mid-run; real rows nest a few levels
+MAX_JSON_DEPTH = 64
 
 
 def gsm8k_search_path() -> list[Path]:
@@ -81,21 +86,41 @@ def _read_file(path: Path) -> list[Located]:
         raise InputError(f"{path}: {e}") from None
     inner = Path(path.stem) if path.suffix.lower() in DECOMPRESS else path  # d.json.gz is read as d.json
     if inner.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+        data = _parse_json(text, str(path), 1)
         if not isinstance(data, list):
             raise InputError(f"{path}: expected a JSON list of objects, got a {type(data).__name__}")
+        for i, row in enumerate(data):
+            _check_depth(row, f"{path}[{i}]")
         return [(f"{path}[{i}]", row) for i, row in enumerate(data)]
     rows = []
     for n, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 may sit inside a JSON string
         if line.strip():
-            try:
-                rows.append((f"{path}:{n}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{n}: invalid JSON: {e.msg} (column {e.colno})") from None
+            row = _parse_json(line, str(path), n)
+            _check_depth(row, f"{path}:{n}")
+            rows.append((f"{path}:{n}", row))
     return rows
+
+
+def _parse_json(text: str, path: str, first_line: int) -> Any:
+    """json.loads with every failure an InputError naming the file and line (a JSONL file's line counts from
+    `first_line`)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}:{first_line + e.lineno - 1}: invalid JSON: {e.msg} (column {e.colno})") from None
+    except RecursionError:
+        raise InputError(f"{path}:{first_line}: nested more than {MAX_JSON_DEPTH} levels deep") from None
+
+
+def _check_depth(row: Any, where: str) -> None:
+    """Refuse a row nested deeper than MAX_JSON_DEPTH (an explicit stack: the check itself must not recurse)."""
+    stack = [(row, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise InputError(f"{where}: nested more than {MAX_JSON_DEPTH} levels deep")
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((v, depth + 1) for v in children if isinstance(v, dict | list))
 
 
 def _reasoning_gym(task: str, cfg: DatasetConfig) -> list[tuple[str, Any]]:
@@ -171,10 +196,14 @@ def system_and_suffix(cfg: PromptConfig, dataset: DatasetConfig | None) -> tuple
 class PromptBuilder:
     """Turn a row into prompt token ids: the chat template over the row's messages (a text prompt is one user
     turn), with the system prompt and the suffix resolved for `dataset` (its `system` overrides cfg.system; a
-    suffix left at None is the source's own, `default_suffix`). Without a dataset, rows get no default suffix."""
+    suffix left at None is the source's own, `default_suffix`). Without a dataset, rows get no default suffix.
 
-    def __init__(self, tokenizer, cfg: PromptConfig, dataset: DatasetConfig | None = None):
-        self.tokenizer, self.cfg = tokenizer, cfg
+    A vision-language model's `processor` turns a row with images (relayrl.data.images) into its prompt: the chat
+    template renders each image part as the image placeholder, and the processor expands each into the image's
+    tokens."""
+
+    def __init__(self, tokenizer, cfg: PromptConfig, dataset: DatasetConfig | None = None, processor=None):
+        self.tokenizer, self.cfg, self.processor = tokenizer, cfg, processor
         self.system, self.suffix = system_and_suffix(cfg, dataset)
         if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError("data.prompt.chat_template is true but the tokenizer has no chat template")
@@ -190,4 +219,10 @@ class PromptBuilder:
         return self.tokenizer.apply_chat_template(self.messages(row), tokenize=False, add_generation_prompt=True)
 
     def __call__(self, row: dict[str, Any]) -> list[int]:
-        return self.tokenizer(self.text(row), add_special_tokens=not self.cfg.chat_template)["input_ids"]
+        if not row.get(IMAGES):
+            return self.tokenizer(self.text(row), add_special_tokens=not self.cfg.chat_template)["input_ids"]
+        if self.processor is None:
+            raise ValueError("a row with images needs a vision-language model's processor")
+        pil = [decode_image(b, f"image {i}") for i, b in enumerate(row[IMAGES])]
+        ids = self.processor(text=[self.text(row)], images=[pil], add_special_tokens=False)["input_ids"]
+        return [int(t) for t in ids[0]]

@@ -9,7 +9,9 @@ a loaded row keeps every column it came with and gains:
 - `answer`: the reference answer as text, from the `answer_key` column or else a message list's final assistant
   turn (TRL's SFT-style `messages` rows carry their reference that way); absent only with `answer_key: null`;
 - `prompt_messages`: for a message-list prompt only, the validated messages the model is prompted with (without
-  that final assistant turn). Text rows do not get it, so they stay exactly as they were.
+  that final assistant turn). Text rows do not get it, so they stay exactly as they were;
+- `images`: a row with an `image`/`images` column only, its image files (relayrl.data.images), and then also
+  `prompt_messages`, with one `{"type": "image"}` content part per image.
 
 `prompt_messages(row, system, suffix)` is the one place that turns a row into the chat messages an agent sends;
 PromptBuilder and the tool agent both use it, so every agent sees a row's prompt the same way.
@@ -17,10 +19,12 @@ PromptBuilder and the tool agent both use it, so every agent sees a row's prompt
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from relayrl.common.utils import InputError
 from relayrl.config.schema import DatasetConfig
+from relayrl.data.images import IMAGES, content_text, read_images, with_image_parts
 
 PROMPT_KEYS = ("question", "prompt", "messages")  # looked for in this order when prompt_key is null
 ROLES = ("system", "user", "assistant", "tool")
@@ -49,10 +53,25 @@ def _message(field_at: str, i: int, msg: Any) -> dict[str, Any]:
         raise InputError(f"{at} is a {type(msg).__name__}, expected an object with role and content")
     if msg.get("role") not in ROLES:
         raise InputError(f"{at}: role {msg.get('role')!r} is not one of {', '.join(ROLES)}")
-    if not isinstance(msg.get("content"), str):
-        got = "missing" if msg.get("content") is None else f"of type {type(msg['content']).__name__}"
-        raise InputError(f"{at}: content is {got}, expected a string")
+    content = msg.get("content")
+    if isinstance(content, list):  # multimodal content parts (TRL's and HF's vision messages)
+        return {**{k: v for k, v in msg.items() if v is not None}, "content": [_part(at, j, p)
+                                                                                for j, p in enumerate(content)]}
+    if not isinstance(content, str):
+        got = "missing" if content is None else f"of type {type(content).__name__}"
+        raise InputError(f"{at}: content is {got}, expected a string or a list of content parts")
     return {k: v for k, v in msg.items() if v is not None}
+
+
+def _part(at: str, j: int, part: Any) -> dict[str, Any]:
+    """One content part: {"type": "text", "text": str} or {"type": "image"} (the image itself is in the row's image
+    column, relayrl.data.images); keys whose value is None dropped, as for messages."""
+    if not isinstance(part, dict) or part.get("type") not in ("text", "image"):
+        raise InputError(f"{at}, content part {j}: expected {{'type': 'text', 'text': ...}} or {{'type': 'image'}}, "
+                         f"got {part!r:.80}")
+    if part["type"] == "text" and not isinstance(part.get("text"), str):
+        raise InputError(f"{at}, content part {j}: a text part without a 'text' string")
+    return {k: v for k, v in part.items() if v is not None}
 
 
 def split_messages(at: str, value: list[Any]) -> tuple[list[dict[str, Any]], str | None]:
@@ -61,7 +80,7 @@ def split_messages(at: str, value: list[Any]) -> tuple[list[dict[str, Any]], str
     The prompt must hold a user message and end with a user or tool message: that is where the model speaks next.
     `at` ('file:line: data.train field 'prompt'') starts every error message."""
     msgs = [_message(at, i, m) for i, m in enumerate(value)]
-    reference = msgs.pop()["content"] if msgs and msgs[-1]["role"] == "assistant" else None
+    reference = content_text(msgs.pop()["content"]) if msgs and msgs[-1]["role"] == "assistant" else None
     if not any(m["role"] == "user" for m in msgs):
         raise InputError(f"{at} has no user message to prompt with")
     if msgs[-1]["role"] not in ("user", "tool"):
@@ -76,16 +95,21 @@ def normalise_row(where: str, row: dict[str, Any], cfg: DatasetConfig, key: str)
     value = row[field]
     out = dict(row)
     reference = None
+    images = read_images(where, row, _source_dir(cfg))
     if isinstance(value, list):
         msgs, reference = split_messages(f"{where}: {key} field {field!r}", value)
         out[MESSAGES] = msgs
-        out["question"] = next(m["content"] for m in reversed(msgs) if m["role"] == "user")
+        out["question"] = content_text(next(m["content"] for m in reversed(msgs) if m["role"] == "user"))
     elif isinstance(value, str | int | float) and not isinstance(value, bool):
         out.pop(MESSAGES, None)
         out["question"] = str(value)
     else:
         raise InputError(f"{where}: {key} field {field!r} is a {type(value).__name__}; a prompt is text or a list "
                          f"of chat messages")
+    if images:  # the prompt becomes messages with one image part per image (relayrl.data.images)
+        out.pop("image", None)
+        msgs = out.get(MESSAGES) or [{"role": "user", "content": out["question"]}]
+        out[MESSAGES], out[IMAGES] = with_image_parts(f"{where}: {key} field {field!r}", msgs, len(images)), images
     if cfg.answer_key is None:
         if reference is not None:
             out["answer"] = reference
@@ -108,10 +132,24 @@ def prompt_messages(row: dict[str, Any], system: str | None = None, suffix: str 
     msgs = [dict(m) for m in row.get(MESSAGES) or [{"role": "user", "content": row["question"]}]]
     if system:
         if msgs[0]["role"] == "system":
-            msgs[0]["content"] = f"{system}\n\n{msgs[0]['content']}"
+            msgs[0]["content"] = _join(system + "\n\n", msgs[0]["content"], "")
         else:
             msgs.insert(0, {"role": "system", "content": system})
     if suffix:
         last = max(i for i, m in enumerate(msgs) if m["role"] == "user")
-        msgs[last]["content"] += suffix
+        msgs[last]["content"] = _join("", msgs[last]["content"], suffix)
     return msgs
+
+
+def _join(before: str, content: str | list[dict[str, Any]], after: str) -> str | list[dict[str, Any]]:
+    """Text around a message's content: around its string, or as text parts around its content parts."""
+    if isinstance(content, str):
+        return before + content + after
+    return ([{"type": "text", "text": before}] if before else []) + content + (
+        [{"type": "text", "text": after}] if after else [])
+
+
+def _source_dir(cfg: DatasetConfig) -> Path | None:
+    """The folder relative image paths are read from: the dataset file's (None: the working directory)."""
+    path = Path(cfg.source).expanduser()
+    return path.parent if path.is_file() else path if path.is_dir() else None

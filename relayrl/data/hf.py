@@ -20,6 +20,7 @@ from typing import Any
 from datasets import (
     Dataset,
     DatasetDict,
+    Image,
     disable_progress_bars,
     enable_progress_bars,
     is_progress_bar_enabled,
@@ -108,4 +109,16 @@ def hf_rows(cfg: DatasetConfig, key: str) -> Iterator[Located]:
     else:
         name = label = str(path)
     data, split = _pick_split(_load_path(path, cfg), cfg, label, key)
+    data = _undecoded_images(data)
     return ((f"{name}[{split}][{i}]", row) for i, row in enumerate(data))
+
+
+def _undecoded_images(data: Dataset) -> Dataset:
+    """Image columns read as {"bytes", "path"} values, for relayrl.data.images to decode under its limits (checked
+    size, no decompression bomb) rather than as PIL images `datasets` decoded without them."""
+    for name, feature in (data.features or {}).items():
+        if isinstance(feature, Image):
+            data = data.cast_column(name, Image(decode=False))
+        elif isinstance(getattr(feature, "feature", None), Image):  # a list of images
+            data = data.cast_column(name, type(feature)(Image(decode=False)))
+    return data

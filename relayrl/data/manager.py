@@ -5,6 +5,10 @@ be saved and restored with the rest of a checkpoint. `sample_from_dataset()` ret
 `group_size` samples of the same prompt sharing a group id. The replay buffer holds finished groups
 first in, first out; it is thread-safe because an asynchronous producer fills it from its own thread
 while the trainer takes batches.
+
+Prompts come back when their groups were not trained: `requeue` puts one in front of the dataset (generated
+again first), `set_aside` into the tail pool (an asynchronous scheduler's tail batch, relayrl.scheduler.asynchronous).
+Each carries how many times its groups expired; a drawn group's samples say so in `metrics[EXPIRED_BEFORE]`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ from typing import Any
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from relayrl.data.images import IMAGES
 from relayrl.sample import Sample, Status
+
+EXPIRED_BEFORE = "expired_before"  # Sample.metrics key: times this prompt's earlier groups expired (absent: none)
 
 
 def _first(batch: list[Any]) -> Any:
@@ -86,32 +93,47 @@ class DataManager:
         self.drawn = 0  # prompts handed out so far: with the run seed, it seeds each sample's sampling
         self.seed_samples = seed_samples
         self.replay_buffer = ReplayBuffer()
-        self._requeued: deque[dict[str, Any]] = deque()  # prompts to generate again first (expired groups)
+        # (row, expiries): prompts to generate again first (expired groups), and those set aside for a tail batch
+        self._requeued: deque[tuple[dict[str, Any], int]] = deque()
+        self._tail: deque[tuple[dict[str, Any], int]] = deque()
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def _next_row(self) -> dict[str, Any]:
+    def _next_row(self) -> tuple[dict[str, Any], int]:
         if self._requeued:
             return self._requeued.popleft()
         try:
-            return next(self._it)
+            return next(self._it), 0
         except StopIteration:
             self.epoch += 1
             # each epoch's order depends only on (seed, epoch), so a resumed run shuffles the same way
             self._generator.manual_seed(self.seed + self.epoch)
             self._it = iter(self.loader)
-            return next(self._it)
+            return next(self._it), 0
 
     def sample_from_dataset(self) -> list[Sample]:
-        """The next prompt as a group of `group_size` fresh samples."""
-        row = self._next_row()
+        """The next prompt as a group of `group_size` fresh samples: a requeued one first, else the dataset's next."""
+        return self._group(*self._next_row())
+
+    def sample_from_tail(self) -> list[Sample]:
+        """The oldest prompt set aside for the tail batch, as a fresh group (IndexError if there is none)."""
+        return self._group(*self._tail.popleft())
+
+    @property
+    def tail_size(self) -> int:
+        """Prompts set aside for the tail batch."""
+        return len(self._tail)
+
+    def _group(self, row: dict[str, Any], expiries: int) -> list[Sample]:
         prompt_ids = self.prompt_fn(row)
         gid = uuid.uuid4().hex[:12]
         base = (self.seed * 1_000_003 + self.drawn) * 997 if self.seed_samples else None
         self.drawn += 1
-        return [Sample(prompt_ids=list(prompt_ids), data=row, group_id=gid, index=i,
-                       seed=None if base is None else base + i) for i in range(self.group_size)]
+        metrics = {EXPIRED_BEFORE: float(expiries)} if expiries else {}
+        return [Sample(prompt_ids=list(prompt_ids), data=row, group_id=gid, index=i, metrics=dict(metrics),
+                       seed=None if base is None else base + i, images=list(row.get(IMAGES) or []))
+                for i in range(self.group_size)]
 
     def reset(self) -> None:
         """Restart from the first prompt of the current order with the same sample seeds (a fixed eval
@@ -119,9 +141,13 @@ class DataManager:
         self._it = iter(self.loader)
         self.drawn = 0
 
-    def requeue(self, row: dict[str, Any]) -> None:
-        """Generate this prompt again before any new one (its samples expired)."""
-        self._requeued.append(row)
+    def requeue(self, row: dict[str, Any], expiries: int = 0) -> None:
+        """Generate this prompt again before any new one (its group expired `expiries` times, or was cut short)."""
+        self._requeued.append((row, expiries))
+
+    def set_aside(self, row: dict[str, Any], expiries: int) -> None:
+        """Keep this prompt for the tail batch (its groups expired `expiries` times): not generated until one runs."""
+        self._tail.append((row, expiries))
 
     # ---- replay buffer ----------------------------------------------------------------------------
     def add_to_replay_buffer(self, samples: list[Sample]) -> None:
@@ -146,14 +172,18 @@ class DataManager:
 
     def state_dict(self) -> dict[str, Any]:
         """The dataloader position (epoch, shuffled order, rows yielded), the drawn counter that seeds sampling,
-        and the prompts waiting to be generated again. Take it while no producer is drawing prompts."""
+        and the prompts waiting to be generated again or set aside (with their expiry counts). Take it while no
+        producer is drawing prompts."""
         return {"loader": self.loader.state_dict(), "epoch": self.epoch, "drawn": self.drawn,
-                "requeued": list(self._requeued), "generator": self._generator.get_state()}
+                "requeued": [row for row, _ in self._requeued], "expiries": [n for _, n in self._requeued],
+                "tail": [[row, n] for row, n in self._tail], "generator": self._generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state["loader"])
         self.epoch, self.drawn = state["epoch"], state.get("drawn", 0)
-        self._requeued = deque(state.get("requeued", []))
+        rows = state.get("requeued", [])
+        self._requeued = deque(zip(rows, state.get("expiries", [0] * len(rows)), strict=True))
+        self._tail = deque((row, n) for row, n in state.get("tail", []))
         if "generator" in state:
             self._generator.set_state(state["generator"])
         self._it = iter(self.loader)

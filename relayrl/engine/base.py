@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+
 # A streaming request's listener (LocalEngine.submit's `on_token`): called on the engine's worker thread with each
 # token as it is sampled -- (token id, its logprob, its top_logprobs alternatives or None) -- before the engine
 # checks whether that token ends the request, so the last one comes too. It must return at once (hand the token
@@ -80,6 +82,9 @@ class GenOutput:
     # per output token, its SamplingParams.top_logprobs most likely (token id, logprob), most likely first; None
     # when none were asked for
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # a mixture-of-experts model's routed experts [positions, MoE layers, k] (uint8/int16) for the prompt and every
+    # output token but the last, for rollout routing replay (relayrl.engine.routing); None for dense models
+    routed_experts: np.ndarray | None = None
 
 
 @runtime_checkable
@@ -91,8 +96,8 @@ class InferenceEngine(Protocol):
 
     async def agenerate(
         self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
-        on_token: TokenCallback | None = None,
-    ) -> GenOutput: ...
+        on_token: TokenCallback | None = None, images: tuple[bytes, ...] = (),
+    ) -> GenOutput: ...  # images: a vision-language prompt's image files (relayrl.engine.vision); only when any
 
     def update_weights(self, named_tensors, version: int) -> None: ...
 

@@ -46,18 +46,22 @@ from safetensors.torch import load_file
 
 from relayrl.common.device import avoid_cudnn_attention, model_device
 from relayrl.common.utils import release_openmp_threads
-from relayrl.engine import attention, direct, skinny
+from relayrl.engine import attention, direct, routing, skinny
 from relayrl.engine import linear as engine_linear
 from relayrl.engine.base import GenOutput, SamplingParams, TokenCallback
+from relayrl.engine.batching import BatchStep
 from relayrl.engine.decode_graphs import StaticDecode
-from relayrl.engine.kv_cache import SlotKVCache
-from relayrl.engine.prefill import SharedStart, prefill
-from relayrl.engine.sampling import sample_tokens
-from relayrl.engine.scoring import Scored, score_forward
+from relayrl.engine.prefill import SharedStart
+from relayrl.engine.priority import URGENT, UrgentSeq, enqueue
+from relayrl.engine.score_queue import ScoreQueue
+from relayrl.engine.scoring import Scored
 from relayrl.engine.sequence import Seq, resolve
-from relayrl.engine.stops import Decode, matched_stop
+from relayrl.engine.stops import Decode
+from relayrl.engine.vision import EngineVision, keyed_prompt
 from relayrl.engine.weights import EngineWeights, stored_in_float32
 from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path
+from relayrl.models.moe import model_names
+from relayrl.models.vision import Images
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +69,9 @@ log = logging.getLogger(__name__)
 KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class LocalEngine:
-    """Continuous-batching generation over a Hugging Face causal LM held in this process."""
+class LocalEngine(BatchStep):
+    """Continuous-batching generation over a Hugging Face causal LM held in this process (the step itself:
+    relayrl.engine.batching)."""
 
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: Iterable[int], max_batch_size: int = 64,
                  max_seq_len: int | None = None, seed: int = 0, max_tokens_in_flight: int | None = None,
@@ -83,7 +88,7 @@ class LocalEngine:
             raise ValueError(f"linear must be 'auto', 'onednn' or 'default', got {linear!r}")
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
-        cfg = model.config
+        cfg = model.config.get_text_config()  # a vision-language model's text model (relayrl.engine.vision)
         self.model = model.eval()
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         # the tokenizer's decode, for stop strings (relayrl.engine.stops); only this engine's worker calls it
@@ -102,8 +107,8 @@ class LocalEngine:
         # grown on the first admission to what the batch needs: start at one small slot. kv_dtype "auto": the
         # model's dtype; a narrower one (an fp32 model's bf16 cache) holds twice the tokens per byte, rounded
         cache_dtype = KV_DTYPES[kv_dtype] or next(model.parameters()).dtype
-        self.cache = SlotKVCache(cfg.num_hidden_layers, kv_heads, head_dim, cache_dtype, slots=1, length=64,
-                                 device=self.device)
+        self.cache = routing.slot_cache(model, cfg.num_hidden_layers, kv_heads, head_dim, cache_dtype, slots=1,
+                                        length=64, device=self.device)
         self.kv_cache_bytes = kv_cache_bytes
         self.weights = EngineWeights(model, seed=seed, rounding=weight_rounding, owned=owns_weights)
         self.stage_updates = stage_weights  # stage_weights(): move and round an update before pausing for it
@@ -112,10 +117,11 @@ class LocalEngine:
         self.max_tokens_in_flight, self.kv_on_update = max_tokens_in_flight, kv_on_update
         self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (relayrl.engine.prefill; 0: one row)
         self._start = SharedStart()  # the KV of the last start several prompts shared (cleared with the weights)
+        self.vision = EngineVision.for_model(model)  # a vision-language model's images (relayrl.engine.vision)
         self._parked: OrderedDict[str, tuple[list[int], list[torch.Tensor]]] = OrderedDict()
         self.prefix_cache_size = prefix_cache_size
         self._waiting: deque[Seq] = deque()
-        self._scores: deque[tuple[list[int], int, float, concurrent.futures.Future]] = deque()  # submit_score's
+        self._scores = ScoreQueue()  # submit_score's
         self._active: list[Seq] = []  # index = KV slot
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()  # held by the worker for each step, by others via _between_steps
@@ -144,9 +150,8 @@ class LocalEngine:
                         **kwargs) -> LocalEngine:
         """`device`: auto, cpu, cuda or cuda:N (relayrl.common.device.resolve_device)."""
         model = load_model(path, dtype=dtype, device=device)
-        tok = load_tokenizer(path)  # the engine's own: its worker decodes with it while servers tokenize with theirs
-        engine = cls(model, eos_token_ids=eos_token_ids(tok, path),
-                     decode=lambda ids: tok.decode(ids, skip_special_tokens=True), **kwargs)
+        engine = cls(model, eos_token_ids=eos_token_ids(load_tokenizer(path), path), decode=tokenizer_decode(path),
+                     **kwargs)
         engine.round_in_fp32_weights(path)
         return engine
 
@@ -177,9 +182,11 @@ class LocalEngine:
         return self._version
 
     def submit(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
-               on_token: TokenCallback | None = None) -> concurrent.futures.Future:
+               on_token: TokenCallback | None = None, images: Images = ()) -> concurrent.futures.Future:
         """Queue one generation; the future resolves to a GenOutput. `rid` names the trajectory (KV reuse, abort).
-        `on_token` streams the request: it gets each token as it is sampled (relayrl.engine.base.TokenCallback)."""
+        `on_token` streams the request: it gets each token as it is sampled (relayrl.engine.base.TokenCallback).
+        `images`: a vision-language prompt's image files, in the order of its image placeholders. Submitted under
+        relayrl.engine.priority.URGENT (an evaluation beside a producer), it waits ahead of the plain requests."""
         if not input_ids:
             raise ValueError("input_ids is empty")
         if params.stop_strings and self.decode is None:
@@ -193,19 +200,21 @@ class LocalEngine:
                              f"{self.kv_cache_bytes / 1e9:.4f} GB (engine.kv_cache_gb)")
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        seq = Seq(list(input_ids), params, concurrent.futures.Future(), stop, gen, rid=rid, on_token=on_token)
+        seq = (UrgentSeq if URGENT.get() else Seq)(list(input_ids), params, concurrent.futures.Future(), stop, gen,
+                                                   rid=rid, on_token=on_token)
         with self._cond:
             if self._closed:
                 raise RuntimeError("LocalEngine is closed")
-            self._waiting.append(seq)
+            seq.prompt = keyed_prompt(self.vision, seq.prompt, images)  # under _cond, as the worker's prune runs
+            enqueue(self._waiting, seq)
             self._ensure_thread()
             self._cond.notify()
         return seq.future
 
     async def agenerate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
-                        on_token: TokenCallback | None = None) -> GenOutput:
+                        on_token: TokenCallback | None = None, images: Images = ()) -> GenOutput:
         """Generate; cancelling the awaiting task frees the request's slot at the next step."""
-        return await asyncio.wrap_future(self.submit(input_ids, params, rid, on_token))
+        return await asyncio.wrap_future(self.submit(input_ids, params, rid, on_token, images))
 
     def submit_score(self, input_ids: list[int], top_k: int = 0, temperature: float = 1.0) -> concurrent.futures.Future:
         """Queue the scoring of `input_ids` under the current weights; the future resolves to (logprobs, alternatives):
@@ -214,17 +223,11 @@ class LocalEngine:
         input_token_logprobs). The worker runs it between two steps as one plain forward (decoder, then the LM head
         in fp32, as the trainer computes logprobs), so it never races a decode step or a weight update and does not
         depend on what the KV cache holds (shared or parked prefixes, a narrower cache dtype)."""
-        if not input_ids:
-            raise ValueError("input_ids is empty")
-        if len(input_ids) > self.max_seq_len:
-            raise ValueError(f"{len(input_ids)} tokens do not fit max_seq_len={self.max_seq_len}")
-        if top_k < 0 or not temperature > 0:
-            raise ValueError(f"top_k must be >= 0 and temperature > 0, got {top_k} and {temperature}")
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        ScoreQueue.check(input_ids, top_k, temperature, self.max_seq_len)
         with self._cond:
             if self._closed:
                 raise RuntimeError("LocalEngine is closed")
-            self._scores.append((list(input_ids), top_k, temperature, future))
+            future = self._scores.put(input_ids, top_k, temperature)
             self._ensure_thread()
             self._cond.notify()
         return future
@@ -264,7 +267,7 @@ class LocalEngine:
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no .safetensors files in {path}")
-        tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
+        tensors = model_names({k: v for f in files for k, v in load_file(str(f)).items()})  # MoE: fused
         self.update_weights(self.stage_weights(tensors.items(), version), version)
 
     def abort(self, rid: str | None = None) -> int:
@@ -361,11 +364,11 @@ class LocalEngine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        for future in [seq.future for seq in list(self._waiting) + self._active] + [q[-1] for q in self._scores]:
+        for future in [seq.future for seq in list(self._waiting) + self._active]:
             if not future.done():
                 future.set_exception(RuntimeError("LocalEngine closed"))
         self._waiting.clear()
-        self._scores.clear()
+        self._scores.fail(RuntimeError("LocalEngine closed"))
         self._active.clear()
 
     @property
@@ -429,11 +432,14 @@ class LocalEngine:
                 if self._closed:
                     return
                 new = self._take_admissible()
-                scores = self._take_scores()
+                if self.vision is not None:  # forget the images no prompt in the engine refers to any more
+                    self.vision.prune([s.prompt for s in [*self._waiting, *new, *self._active]]
+                                      + [t for t, _ in self._parked.values()] + [self._start.tokens])
+                scores = self._scores.take(self.prefill_tokens)
             with self._step_lock, torch.inference_mode():  # the worker's own: the others use _between_steps
                 t0 = time.perf_counter()
                 try:
-                    self._run_scores(scores)
+                    self.stats["scored_tokens"] += ScoreQueue.run(self.model, scores)
                     self._drop_cancelled()
                     self._refill()
                     self._admit([q for q in new if not q.future.cancelled()])
@@ -446,218 +452,10 @@ class LocalEngine:
                     self._active.clear()
                 self.stats["busy_s"] += time.perf_counter() - t0
 
-    def _take_admissible(self) -> list[Seq]:
-        """Waiting requests that fit the free slots, the tokens-in-flight budget and the KV cache's byte budget
-        (called under _cond); the first in line always fits an empty engine (submit checks it)."""
-        used = sum(q.cost for q in self._active)
-        new: list[Seq] = []
-        kv_len = 0
-        while self._waiting and len(self._active) + len(new) < self.max_batch_size:
-            head = self._waiting[0]
-            cost, head_len = head.cost, self._kv_len(len(head.prompt), head.params.max_new_tokens)
-            if self.max_tokens_in_flight and used + cost > self.max_tokens_in_flight and (self._active or new):
-                break
-            if not self._kv_fits(len(new) + 1, max(kv_len, head_len)):
-                break
-            new.append(self._waiting.popleft())
-            used, kv_len = used + cost, max(kv_len, head_len)
-        return new
 
-    def _take_scores(self) -> list[tuple[list[int], int, float, concurrent.futures.Future]]:
-        """Queued scorings for this step (called under _cond): up to prefill_tokens tokens, at least one, so that a
-        stream of them delays each decode step by about one prefill."""
-        taken, tokens = [], 0
-        while self._scores and (not taken or tokens + len(self._scores[0][0]) <= self.prefill_tokens):
-            taken.append(self._scores.popleft())
-            tokens += len(taken[-1][0])
-        return taken
+def tokenizer_decode(path: str) -> Decode:
+    """The `decode` of a LocalEngine for the model at `path` (stop strings): a tokenizer of the engine's own, since
+    its worker decodes with it while agents and servers tokenize with theirs."""
+    tok = load_tokenizer(path)
+    return lambda ids: tok.decode(ids, skip_special_tokens=True)
 
-    def _run_scores(self, scores: list[tuple[list[int], int, float, concurrent.futures.Future]]) -> None:
-        for ids, top_k, temperature, future in scores:
-            if not future.set_running_or_notify_cancel():  # the caller gave up
-                continue
-            try:
-                future.set_result(score_forward(self.model, ids, top_k, temperature))
-                self.stats["scored_tokens"] += len(ids)
-            except Exception as e:  # a failed scoring fails its caller, not the engine
-                future.set_exception(e)
-
-    def _kv_len(self, prompt_len: int, max_new_tokens: int) -> int:
-        """The cache length a request needs (what `_admit` grows the cache to)."""
-        return min(_round_up(prompt_len + max_new_tokens, 64), self.max_seq_len)
-
-    def _kv_fits(self, n_new: int, length: int) -> bool:
-        """Would the cache, grown for n_new more sequences of up to `length` positions, stay within budget? An
-        idle engine's cache is reshaped from scratch (`_admit`), so only the new requests count then."""
-        if not self.kv_cache_bytes:
-            return True
-        if not self._active:
-            return n_new * length * self.cache.bytes_per_token <= self.kv_cache_bytes
-        return self.cache.bytes_for(len(self._active) + n_new, length) <= self.kv_cache_bytes
-
-    def _drop_cancelled(self) -> None:
-        for i in range(len(self._active) - 1, -1, -1):
-            if self._active[i].future.cancelled():
-                self._release(i)
-
-    def _refill(self) -> None:
-        """Rebuild the KV of sequences that were running when the weights changed (in batched prefills)."""
-        slots = [slot for slot, seq in enumerate(self._active) if seq.refill]
-        if slots:
-            self._prefill([self._active[i].prompt + self._active[i].out_ids[:-1] for i in slots], slots)
-        for i in slots:
-            self._active[i].refill = False
-
-    def _admit(self, new: list[Seq]) -> None:
-        """Prefill each distinct prompt once (reusing a parked prefix or a running twin's KV if any; the rest in
-        batched forwards, relayrl.engine.prefill); one slot per request."""
-        groups: dict[tuple[int, ...], list[Seq]] = {}
-        for seq in new:
-            groups.setdefault(tuple(seq.prompt), []).append(seq)
-        need_len = max((self._kv_len(len(s.prompt), s.params.max_new_tokens) for s in new), default=0)
-        slots = len(self._active) + len(new)
-        if self.kv_cache_bytes and not self._active and self.cache.bytes_for(slots, need_len) > self.kv_cache_bytes:
-            self.cache.release()  # idle: a different shape (more slots, shorter) fits the budget where growing won't
-        self.cache.ensure(slots, need_len)
-        plan, fresh, first = [], [], len(self._active)  # (prompt, seqs, first slot, twin slot, logits) per group
-        for prompt, seqs in groups.items():
-            twin = self._running_twin(prompt)
-            logits = None if twin is None else self._active[twin].prompt_logits
-            if twin is None and (reused := self._reuse(seqs[0], first)):
-                logits = self._prefill([list(prompt)], [first], reused)[0]
-            elif twin is None:
-                fresh.append(len(plan))
-            plan.append([prompt, seqs, first, twin, logits])
-            first += len(seqs)
-        if fresh:
-            for i, logits in zip(fresh, self._prefill([list(plan[i][0]) for i in fresh], [plan[i][2] for i in fresh])):
-                plan[i][4] = logits
-        for prompt, seqs, first, twin, logits in plan:
-            for i in range(0 if twin is not None else 1, len(seqs)):
-                self.cache.copy_slot(first if twin is None else twin, first + i, len(prompt))
-            for seq in seqs:
-                seq.kv_len = len(prompt)
-                seq.prompt_logits = logits
-                self._active.append(seq)
-            self._sample_and_append(seqs, logits.expand(len(seqs), -1))
-        self._retire_finished()
-
-    def _running_twin(self, prompt: tuple[int, ...]) -> int | None:
-        """Slot of a running sequence with exactly this prompt (GRPO samples that arrived late)."""
-        for slot, seq in enumerate(self._active):
-            if len(seq.prompt) == len(prompt) and seq.prompt_logits is not None and tuple(seq.prompt) == prompt:
-                return slot
-        return None
-
-    def _reuse(self, seq: Seq, slot: int) -> int:
-        """Restore the parked KV of seq's trajectory into `slot` if seq's prompt extends it; tokens reused."""
-        parked = self._parked.pop(seq.rid, None) if seq.rid is not None else None
-        if parked is None:
-            return 0
-        tokens, kv = parked
-        if len(tokens) >= len(seq.prompt) or seq.prompt[: len(tokens)] != tokens:
-            return 0
-        self.cache.restore(slot, kv)
-        self.stats["reused_tokens"] += len(tokens)
-        return len(tokens)
-
-    def _prefill(self, rows: list[list[int]], slots: list[int], start: int = 0) -> torch.Tensor:
-        """Run rows[i][start:] through the model into slots[i] (positions < start are cached); last logits [n, V]."""
-        logits, computed = prefill(self.model, self.cache, rows, slots, start, self.prefill_tokens, self._start)
-        self.stats["prefill_tokens"] += computed
-        self.stats["prefills"] += len(rows)
-        return logits
-
-    def _forward_decode(self, tokens: list[int], kv_lens: list[int]) -> torch.Tensor:
-        """One token for each of slots 0..n-1, at positions `kv_lens`; returns the logits [n, vocab]. The
-        lengths come as a list so that the mask's width is known without reading back from the device. On a GPU the
-        step is a replayed CUDA graph where it can be (relayrl.engine.decode_graphs)."""
-        if self._static is not None and (logits := self._static.forward(tokens, kv_lens)) is not None:
-            return logits
-        dev = self.device
-        kv_len = max(kv_lens) + 1
-        positions = torch.tensor(kv_lens, device=dev)
-        self.cache.decode(positions, kv_len)
-        mask = (torch.arange(kv_len, device=dev)[None, :] <= positions[:, None])[:, None, None, :]
-        if self.cache.fused and self.direct:  # written out (relayrl.engine.direct)
-            logits = direct.decode_logits(self.model, self.cache, torch.tensor(tokens, device=dev), positions,
-                                          self.skinny_rows)
-        else:
-            extra = {"relayrl_cache": self.cache} if self.cache.fused else {}
-            logits = self.model(input_ids=torch.tensor(tokens, device=dev)[:, None], position_ids=positions[:, None],
-                                attention_mask=mask, cache=self.cache, use_cache=True, **extra).logits[:, -1]
-        if self.cache.fused and self.cache.attended != self.model.config.num_hidden_layers:
-            raise RuntimeError(f"decode kernel ran for {self.cache.attended} of the model's layers")
-        return logits
-
-    def _decode_step(self) -> None:
-        seqs = self._active
-        logits = self._forward_decode([s.out_ids[-1] for s in seqs], [s.kv_len for s in seqs])
-        for s in seqs:
-            s.kv_len += 1
-        self.stats["steps"] += 1
-        self.stats["decode_rows"] += len(seqs)
-        self._sample_and_append(seqs, logits)
-        self._retire_finished()
-
-    def _sample_and_append(self, seqs: list[Seq], logits: torch.Tensor) -> None:
-        if self._sample_work.numel() < logits.numel():
-            self._sample_work = torch.empty(logits.numel(), device=self.device)
-        tokens, logprobs, alternatives = sample_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                                       self._generator, self._sample_work)
-        for i, (seq, tok, lp) in enumerate(zip(seqs, tokens, logprobs)):
-            seq.out_ids.append(tok)
-            seq.logprobs.append(lp)
-            seq.versions.append(self._version)
-            if alternatives is not None and seq.params.top_logprobs:
-                seq.top_logprobs = seq.top_logprobs or []
-                seq.top_logprobs.append(alternatives[i])
-            if seq.on_token is not None:
-                self._stream(seq)
-        self.stats["generated_tokens"] += len(seqs)
-
-    @staticmethod
-    def _stream(seq: Seq) -> None:
-        """Hand a streaming request its newest token. A listener that fails is dropped: its request (and the
-        others in the batch, which the worker would fail with it) runs on; the GenOutput still has every token."""
-        try:
-            seq.on_token(seq.out_ids[-1], seq.logprobs[-1], seq.top_logprobs[-1] if seq.top_logprobs else None)
-        except Exception:
-            log.warning("a streaming request's token listener failed; the request runs on unstreamed", exc_info=True)
-            seq.on_token = None
-
-    def _finish_reason(self, seq: Seq) -> str | None:
-        if seq.out_ids[-1] in seq.stop_ids:
-            return "stop"
-        if seq.params.stop_strings and (hit := matched_stop(seq.out_ids, seq.params.stop_strings, self.decode)):
-            seq.stop_string = hit
-            return "stop"
-        if len(seq.out_ids) >= seq.params.max_new_tokens or seq.kv_len + 1 >= self.max_seq_len:
-            return "length"
-        return None
-
-    def _retire_finished(self) -> None:
-        """Resolve finished requests, park their KV for the trajectory's next turn, free their slots."""
-        for i in range(len(self._active) - 1, -1, -1):
-            seq = self._active[i]
-            reason = self._finish_reason(seq)
-            if reason is None:
-                continue
-            if seq.rid is not None and self.prefix_cache_size > 0:
-                self._parked[seq.rid] = (seq.prompt + seq.out_ids[:-1], self.cache.export(i, seq.kv_len))
-                while len(self._parked) > self.prefix_cache_size:
-                    self._parked.popitem(last=False)
-            resolve(self._release(i), seq.output(reason))
-
-    def _release(self, i: int) -> Seq:
-        """Remove the sequence in slot i, keeping slots dense (the last slot moves into the hole)."""
-        seq, last = self._active[i], len(self._active) - 1
-        if i != last:
-            self.cache.copy_slot(last, i, self._active[last].kv_len)
-            self._active[i] = self._active[last]
-        self._active.pop()
-        return seq
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple

@@ -7,7 +7,8 @@ forward give it enough rows to approach it, so each prompt's share of the time f
 Prompts that arrive together also share their start (the system prompt and chat-template tokens: 20 of the README
 job's 49), which is computed once, in the first prompt's slot, and copied to the others' slots. The last such start
 is kept (`SharedStart`, one entry, ~1 MB at 135M) for prompts admitted later, one or two at a time as running
-sequences finish; the engine clears it whenever its weights change.
+sequences finish; the engine clears it whenever its weights change. A prompt with images holds its images' key in
+place of its image tokens (relayrl.engine.vision), so prompts share a start only up to an image they do not share.
 
 Rows are right-padded to the longest in their forward. That needs no padding mask: a real query attends only to
 earlier positions, and the padding positions all come after its row's real tokens (their keys/values land in the
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from relayrl.engine.kv_cache import SlotKVCache
+from relayrl.engine.vision import EngineVision
 
 MIN_SHARED = 8  # shorter shared starts are not worth a separate forward
 
@@ -56,24 +58,26 @@ def common_prefix(rows: list[list[int]]) -> int:
 
 
 def prefill(model: torch.nn.Module, cache: SlotKVCache, rows: list[list[int]], slots: list[int], start: int = 0,
-            token_budget: int = 2048, kept: SharedStart | None = None) -> tuple[torch.Tensor, int]:
+            token_budget: int = 2048, kept: SharedStart | None = None,
+            vision: EngineVision | None = None) -> tuple[torch.Tensor, int]:
     """Write the keys/values of rows[i][start:] into slot slots[i] (positions < start are already there) and return
     the logits of each row's last position [n, vocab] (float32, in `rows` order) and the tokens run through the model.
 
     With start == 0 and several rows, their shared start (if at least MIN_SHARED tokens, and never a whole row: its
     last position's logits are needed) is run once in slots[0] and copied into the other slots, and kept in `kept`;
     rows that all begin with the start `kept` holds get its KV copied in instead. token_budget 0: one row per forward
-    and no shared start (how LocalEngine prefilled before; kept to compare with)."""
+    and no shared start (how LocalEngine prefilled before; kept to compare with). `vision`: a vision-language
+    model's, whose rows may hold image keys (relayrl.engine.vision): those forwards run on merged embeddings."""
     computed = 0
     if start == 0 and token_budget > 0:
-        start, computed = _shared_start(model, cache, rows, slots, kept or SharedStart())
+        start, computed = _shared_start(model, cache, rows, slots, kept or SharedStart(), vision)
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]), reverse=True)
     out: list[torch.Tensor | None] = [None] * len(rows)
     i = 0
     while i < len(order):
         width = len(rows[order[i]]) - start  # the longest row left sets this forward's width
         take = order[i: i + max(1, token_budget // width)]  # budget 0: one row per forward
-        logits = _forward(model, cache, [rows[j] for j in take], [slots[j] for j in take], start)
+        logits = _forward(model, cache, [rows[j] for j in take], [slots[j] for j in take], start, vision=vision)
         for j, row_logits in zip(take, logits):
             out[j] = row_logits
         computed += sum(len(rows[j]) - start for j in take)
@@ -82,7 +86,7 @@ def prefill(model: torch.nn.Module, cache: SlotKVCache, rows: list[list[int]], s
 
 
 def _shared_start(model: torch.nn.Module, cache: SlotKVCache, rows: list[list[int]], slots: list[int],
-                  kept: SharedStart) -> tuple[int, int]:
+                  kept: SharedStart, vision: EngineVision | None) -> tuple[int, int]:
     """Fill every slot's first positions with the rows' shared start: from `kept`, or computed once (and kept).
     Returns (positions filled, tokens computed)."""
     if kept.begins(rows):
@@ -92,7 +96,7 @@ def _shared_start(model: torch.nn.Module, cache: SlotKVCache, rows: list[list[in
     shared = min(common_prefix(rows), min(len(r) for r in rows) - 1) if len(rows) > 1 else 0
     if shared < MIN_SHARED:
         return 0, 0
-    _forward(model, cache, [rows[0][:shared]], [slots[0]], 0, logits=False)
+    _forward(model, cache, [rows[0][:shared]], [slots[0]], 0, logits=False, vision=vision)
     for slot in slots[1:]:
         cache.copy_slot(slots[0], slot, shared)
     kept.tokens, kept.kv = rows[0][:shared], cache.export(slots[0], shared)
@@ -100,7 +104,7 @@ def _shared_start(model: torch.nn.Module, cache: SlotKVCache, rows: list[list[in
 
 
 def _forward(model: torch.nn.Module, cache: SlotKVCache, rows: list[list[int]], slots: list[int], start: int,
-             logits: bool = True) -> torch.Tensor | None:
+             logits: bool = True, vision: EngineVision | None = None) -> torch.Tensor | None:
     """One forward of rows[:, start:], right-padded, into `slots`; the last real position's logits per row."""
     dev = cache.device
     lengths = [len(r) - start for r in rows]
@@ -108,8 +112,9 @@ def _forward(model: torch.nn.Module, cache: SlotKVCache, rows: list[list[int]], 
     ids = torch.tensor([r[start:] + [r[-1]] * (width - n) for r, n in zip(rows, lengths)], device=dev)
     cache.prefill_into(slots, start)
     causal = torch.ones(width, start + width, dtype=torch.bool, device=dev).tril_(diagonal=start)
+    inputs = {"input_ids": ids} if vision is None else vision.inputs(ids, rows, start)  # images: merged embeddings
     hidden = model.get_decoder()(
-        input_ids=ids, position_ids=torch.arange(start, start + width, device=dev)[None].expand(len(rows), -1),
+        **inputs, position_ids=torch.arange(start, start + width, device=dev)[None].expand(len(rows), -1),
         attention_mask=causal[None, None].expand(len(rows), 1, -1, -1), cache=cache,
         use_cache=True).last_hidden_state
     if not logits:

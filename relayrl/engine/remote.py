@@ -33,7 +33,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ import torch
 
 from relayrl.common.net import check_address
 from relayrl.engine.base import GenOutput, SamplingParams, TokenCallback
+from relayrl.trainer.lora import peek_adapters, save_peft_version
 from relayrl.trainer.optim import rounded_to_bf16
 from relayrl.weights.transport import save_weights_version
 from relayrl.weights.weight_group import BACKENDS, DistributedSync
@@ -85,6 +86,7 @@ class RemoteEngine:
         self.send_bf16 = send_bf16  # fp32 weights go out as bf16, rounded stochastically (the server runs bf16)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._version = 0
+        self._adapters: list[str] = []  # vLLM LoRA adapters loaded by this engine, newest last (requests name it)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: httpx.AsyncClient | None = None
         self._thread: threading.Thread | None = None
@@ -171,7 +173,12 @@ class RemoteEngine:
                 continue
             if r.status_code >= 400:
                 raise RemoteRequestError(f"{self.address}{path}: HTTP {r.status_code}: {_message(r)}", r.status_code)
-            return r.json() if r.content else None
+            if not r.content:
+                return None
+            try:
+                return r.json()
+            except ValueError:  # vLLM answers its LoRA routes in plain text
+                return r.text
         raise EngineUnavailable(f"engine server {self.address} unavailable ({method} {path}, "
                                 f"{retries + 1} attempts): {last}")
 
@@ -181,11 +188,14 @@ class RemoteEngine:
         return self._version
 
     async def agenerate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
-                        on_token: TokenCallback | None = None) -> GenOutput:
+                        on_token: TokenCallback | None = None, images: tuple[bytes, ...] = ()) -> GenOutput:
         """Generate on the server; awaitable from any event loop (the HTTP call runs on the engine's own).
         `on_token` gets the tokens once the server answered (the server's answer is not streamed)."""
         if not input_ids:
             raise ValueError("input_ids is empty")
+        if images:  # docs/design.md, "Vision-language policies": what sending them needs
+            raise ValueError("remote engines do not send images yet: a vision-language policy runs on "
+                             "engine.kind=local")
         run = self._generate_sglang if self.backend == "sglang" else self._generate_vllm
         out = await asyncio.wrap_future(self._submit(run(list(input_ids), params, rid)))
         for i, token in enumerate(out.output_ids if on_token is not None else []):
@@ -214,7 +224,8 @@ class RemoteEngine:
         return out
 
     async def _generate_vllm(self, input_ids: list[int], params: SamplingParams, rid: str | None) -> GenOutput:
-        body = {"model": await self._vllm_model(), "prompt": input_ids, "max_tokens": params.max_new_tokens,
+        model = self._adapters[-1] if self._adapters else await self._vllm_model()
+        body = {"model": model, "prompt": input_ids, "max_tokens": params.max_new_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or -1,
                 "seed": params.seed, "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos,
                 "logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True}
@@ -266,9 +277,18 @@ class RemoteEngine:
         The folder must be readable by the server (same machine, or a shared filesystem).
         With weight_sync="distributed" the weights are broadcast instead (see `DistributedSync`).
         With send_bf16, fp32 tensors are sent as bf16 rounded stochastically (relayrl.trainer.optim.rounded_to_bf16).
+
+        LoRA (a trainer with model.lora_rank > 0 sends only adapters, relayrl.trainer.lora): the sglang dialect sends
+        them as they are, never rounded to bf16 (they are small, and the merge is in fp32); relayrl serve merges them
+        into its base weights, a real SGLang server refuses them. vLLM loads them as a PEFT adapter
+        (`_load_vllm_adapter`).
         """
-        if self.send_bf16:
+        named_tensors, adapters = peek_adapters(named_tensors)
+        if self.send_bf16 and not adapters:
             named_tensors = rounded_to_bf16(named_tensors, version)
+        if adapters and self.backend == "vllm":
+            self._load_vllm_adapter(named_tensors, version)
+            return
         if self.weight_group is not None:
             self.weight_group.update(self, named_tensors, version)
             self._version = version
@@ -280,13 +300,42 @@ class RemoteEngine:
         self.load_weights_from_disk(str(path), version)
         self._remove_old_weights(previous)
 
-    def _write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> Path:
+    def _write_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
+                       save: Callable[[Path, Iterable[tuple[str, torch.Tensor]], int], Path] = save_weights_version
+                       ) -> Path:
         key = (str(self.weights_dir.resolve()), version)
         with RemoteEngine._written_lock:
             path = RemoteEngine._written.get(key)
             if path is None or not path.is_dir():
-                path = RemoteEngine._written[key] = save_weights_version(self.weights_dir, named_tensors, version)
+                path = RemoteEngine._written[key] = save(self.weights_dir, named_tensors, version)
             return path
+
+    def _load_vllm_adapter(self, adapters: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """vLLM: write `weights_dir/v{version}` as a PEFT adapter, load it as adapter `relayrl-v{version}`
+        (/v1/load_lora_adapter: the server needs --enable-lora, --max-lora-rank >= model.lora_rank, and
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), and name it as the model of every later request. Each version is
+        a new adapter, since vLLM refuses to load a name twice; the one before stays loaded for the requests still
+        running on it, older ones are unloaded (and their folders removed)."""
+        if self.weights_dir is None:
+            raise ValueError(f"{self!r}: update_weights needs weights_dir (a folder the server can read)")
+        path, name = self._write_weights(adapters, version, save=save_peft_version), f"relayrl-v{version}"
+        try:
+            self._call(self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)},
+                                     retries=0))
+        except RemoteRequestError as e:
+            if e.status in (400, 404, 405):
+                raise RemoteRequestError(f"{e} (relayrl trains LoRA against vLLM through its runtime adapter "
+                                         "loading: start vLLM with --enable-lora, --max-lora-rank >= model.lora_rank "
+                                         "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)", e.status) from e
+            raise
+        previous, stale = self._version, self._adapters[:-1]
+        self._adapters = [*self._adapters[-1:], name]
+        self._version = version
+        for old in stale:
+            with contextlib.suppress(RemoteRequestError):  # already gone (a restarted server) is no error
+                self._call(self._request("POST", "/v1/unload_lora_adapter", {"lora_name": old},
+                                         timeout=_CONTROL_TIMEOUT, retries=0))
+        self._remove_old_weights(previous)
 
     def _remove_old_weights(self, previous: int) -> None:
         """Keep the loaded version and the one before it; older folders only fill the disk."""

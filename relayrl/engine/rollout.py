@@ -69,13 +69,15 @@ class RolloutController:
         return i
 
     async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
-                       on_token: TokenCallback | None = None) -> GenOutput:
+                       on_token: TokenCallback | None = None, images: tuple[bytes, ...] = ()) -> GenOutput:
         """Generate, resubmitting interrupted generations (see the module docstring). `on_token` streams the
         tokens (relayrl.engine.base.TokenCallback): as they are sampled with partial_rollout="continue" (a
         resubmission goes on where the tokens stopped); at the end with "requeue", whose restarts from scratch
-        would take back tokens already handed out."""
+        would take back tokens already handed out. `images`: a vision-language prompt's image files, in the order of
+        its image placeholders (passed on only when there are any: text engines need not take them)."""
         self.stats["requests"] += 1
         live = on_token if self.partial_rollout == "continue" else None
+        with_images = {"images": tuple(images)} if images else {}
         got = GenOutput([], [], [], "abort", len(input_ids))
         while True:
             left = params.max_new_tokens - len(got.output_ids)
@@ -83,11 +85,16 @@ class RolloutController:
             self._in_flight[i] += 1
             try:
                 out = await self.engines[i].agenerate(input_ids + got.output_ids,
-                                                      replace(params, max_new_tokens=left), rid, live)
+                                                      replace(params, max_new_tokens=left), rid, live,
+                                                      **with_images)
             finally:
                 self._in_flight[i] -= 1
+            tops = None if got.top_logprobs is None and out.top_logprobs is None else \
+                (got.top_logprobs or []) + (out.top_logprobs or [])
             got = GenOutput(got.output_ids + out.output_ids, got.logprobs + out.logprobs,
-                            got.versions + out.versions, out.finish_reason, len(input_ids), out.meta)
+                            got.versions + out.versions, out.finish_reason, len(input_ids), out.meta,
+                            stop_string=out.stop_string, top_logprobs=tops,
+                            routed_experts=out.routed_experts)  # the last call's covers the earlier tokens too
             if out.finish_reason != "abort" or self._closing or len(got.output_ids) >= params.max_new_tokens:
                 for token, logprob in zip(got.output_ids, got.logprobs) if on_token and not live else ():
                     on_token(token, logprob, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from relayrl.engine.base import GenOutput, SamplingParams, TokenCallback
@@ -27,6 +28,7 @@ class Seq:
     stop_string: str | None = None  # the stop string its text came to contain (relayrl.engine.stops)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token, when params.top_logprobs > 0
     on_token: TokenCallback | None = None  # a streaming request's listener (relayrl.engine.base.TokenCallback)
+    routed_experts: np.ndarray | None = None  # an MoE model's experts per position, set as it leaves its slot
 
     @property
     def cost(self) -> int:
@@ -34,7 +36,8 @@ class Seq:
 
     def output(self, reason: str) -> GenOutput:
         return GenOutput(self.out_ids, self.logprobs, self.versions, reason, len(self.prompt),
-                         stop_string=self.stop_string, top_logprobs=self.top_logprobs)
+                         stop_string=self.stop_string, top_logprobs=self.top_logprobs,
+                         routed_experts=self.routed_experts)
 
 
 def resolve(seq: Seq, out: GenOutput) -> None:

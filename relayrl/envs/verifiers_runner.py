@@ -44,7 +44,8 @@ def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 # harnesses that only chat: any other (verifiers' default `bash`, tool harnesses) runs model-written code, which
-# must not run as a plain local process
+# must not run as a plain local process. A task's toolsets (`vf.Toolset` MCP servers) run with the chat harness
+# too: they are the taskset author's code, called with the model's arguments, as relayrl's own tools are
 CHAT_ONLY_HARNESSES = ("null",)
 
 

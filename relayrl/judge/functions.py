@@ -1,10 +1,11 @@
 """Reward functions as users write them: relayrl's per-sample `(response, row)` and TRL's batched
 `(prompts, completions, **columns)`, one or several with weights.
 
-Which kind a function is comes from its signature, read once in the parent (no probe call, so nothing runs
-before the first batch): it is **batched** (TRL's GRPOTrainer convention) if a parameter is named `prompts`,
-`completions` or `completion_ids`, or if it takes nothing but `**kwargs`; otherwise it is a **row** function,
-called once per sample as `fn(response, row, **judge.kwargs)`, as relayrl always has.
+Which kind a function is comes from its signature, read once in the parent (no probe call: user code runs only
+in workers; relayrl/judge/trial.py tries batched ones there before the first rollout): it is **batched** (TRL's
+GRPOTrainer convention) if a parameter is named `prompts`, `completions` or `completion_ids`, or if it takes
+nothing but `**kwargs`; otherwise it is a **row** function, called once per sample as
+`fn(response, row, **judge.kwargs)`, as relayrl always has.
 
 A batched function gets keyword lists, one entry per sample, as TRL passes them: `prompts` (the row's prompt
 as the dataset wrote it: text, or a list of chat messages), `completions` (the response text, or for conversational
@@ -72,6 +73,7 @@ class RewardFunction:
     path: str  # 'module:qualname', imported by the workers
     name: str  # __name__: the metric reward/<name>
     file: str  # its source file, for error messages
+    line: int | None  # where it is defined in that file (None for a callable object)
     weight: float
     style: str  # ROW or BATCHED
     params: frozenset[str]  # the names it takes by keyword
@@ -80,6 +82,11 @@ class RewardFunction:
     @property
     def label(self) -> str:
         return f"{self.name} ({self.file})"
+
+    @property
+    def where(self) -> str:
+        """file:line, for the start-up errors that point at the definition."""
+        return self.file if self.line is None else f"{self.file}:{self.line}"
 
     def takes(self, name: str) -> bool:
         return self.any_kwargs or name in self.params
@@ -107,7 +114,9 @@ def describe(fn: Callable[..., Any], path: str, weight: float = 1.0) -> RewardFu
     except TypeError:
         file = path.partition(":")[0]
     named = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    code = getattr(inspect.unwrap(fn), "__code__", None)
     return RewardFunction(path=path, name=getattr(fn, "__name__", path.rpartition(":")[2]), file=file,
+                          line=code.co_firstlineno if code is not None else None,
                           weight=float(weight), style=style_of(fn), params=named,
                           any_kwargs=any(p.kind is p.VAR_KEYWORD for p in params))
 

@@ -16,16 +16,20 @@ memory (the worker hit its memory cap), crashed, no_reward (every function retur
 The reward function is named by import path ('package.module:function') because it must be importable
 in another process; a callable is accepted only if it is reachable by such a path. The path is imported
 once in the parent at construction, and its keyword arguments are checked against its signature, so a
-typo fails at start-up rather than as a stream of zero rewards.
+typo fails at start-up rather than as a stream of zero rewards. Batched functions are also tried once in a
+worker on a few dataset rows (`start(rows)`, relayrl/judge/trial.py): one that returns the wrong number of
+values fails `wait_ready`, before the first rollout.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import pickle
 import sys
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from relayrl.common.utils import import_from_path, module_level_path
@@ -41,6 +45,7 @@ from relayrl.judge.functions import (
     weights_problem,
 )
 from relayrl.judge.pool import RemoteError, TimeoutPool, WorkerCrashed
+from relayrl.judge.trial import trial, trial_rows
 from relayrl.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -98,6 +103,8 @@ class Judge:
                                 memory_mb=memory_mb)
         self.calls = 0
         self.failures = 0
+        self._trial: threading.Thread | None = None
+        self._trial_error: BaseException | None = None
         # one (response, row) function without weights: scored per sample, as relayrl always has
         single = len(self.functions) == 1 and self.functions[0].style == ROW and reward_weights is None
         scorer = BatchScorer(self.functions, self.pool, self.reward_kwargs, self.timeout, max_abs_reward,
@@ -149,12 +156,32 @@ class Judge:
             return 0.0, failed, self._fail(uid, text)
         return reward, {**metrics, "reward": reward, "judge_failed": 0.0}, None
 
-    def start(self) -> None:
-        """Start the workers now (they import the reward module) so the first batch does not wait."""
+    def start(self, rows: Sequence[dict[str, Any]] | None = None) -> None:
+        """Start the workers now (they import the reward module) so the first batch does not wait. With dataset
+        `rows`, also begin the start-up trial of the batched functions (relayrl/judge/trial.py) in a thread, so
+        it overlaps whatever the caller does next (loading the model); `wait_ready` gives its verdict."""
         self.pool.start()
+        if rows and any(f.style != ROW for f in self.functions) and self._trial is None:
+            self._trial = threading.Thread(target=self._run_trial, args=(trial_rows(rows),), daemon=True,
+                                           name="relayrl-judge-trial")
+            self._trial.start()
+
+    def _run_trial(self, rows: list[dict[str, Any]]) -> None:
+        try:
+            asyncio.run(trial(self.functions, self.pool, rows, self.reward_kwargs, self.timeout,
+                              self.max_abs_reward))
+        except BaseException as e:  # handed to wait_ready, in the caller's thread
+            self._trial_error = e
 
     def wait_ready(self) -> None:
-        """Block until the workers have imported the reward module; a broken module fails here."""
+        """Block until the workers have imported the reward module and the start-up trial is over; a broken
+        module, or a batched function that returns the wrong number of values (InputError), fails here."""
+        if self._trial is not None:
+            self._trial.join()
+            self._trial = None
+        if self._trial_error is not None:
+            error, self._trial_error = self._trial_error, None
+            raise error
         try:
             self.pool.wait_ready()
         except WorkerCrashed as e:
@@ -165,7 +192,9 @@ class Judge:
             raise
 
     def close(self) -> None:
-        self.pool.close()
+        self.pool.close()  # first: a trial still running sees its worker die and ends
+        if self._trial is not None:
+            self._trial.join(timeout=5.0)
 
     def __enter__(self) -> Judge:
         return self

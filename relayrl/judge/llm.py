@@ -14,8 +14,9 @@ Why these choices:
 - The template is `str.format` text over {prompt}, {completion}, {answer} and every column of the row, checked
   against the row at call time (a missing column raises: the batch is rejected, with the name, never scored
   on a half-filled prompt).
-- `concurrency` caps requests in flight per judge worker (judge.workers x concurrency in all): each worker
-  awaits one batch at a time, so a semaphore there bounds the endpoint's load without cross-process locks.
+- `concurrency` caps this judge's requests in flight to its endpoint across all the run's judge workers
+  (relayrl/judge/slots.py: file locks the kernel releases when a worker dies), not per worker: a user sizes it
+  to the endpoint. Waiting for a slot counts in judge.timeout, which bounds each batch.
 - `timeout` (per request) and `retries` go to the OpenAI SDK, which retries connection errors, 408/409/429
   and 5xx with backoff. A request that still fails raises: the batch's samples are rejected ("error"), never
   trained on a reward with a missing term. judge.timeout bounds the whole batch and must exceed
@@ -45,6 +46,7 @@ from typing import Any
 
 from relayrl.common.utils import atomic_write_text
 from relayrl.judge.functions import is_conversational
+from relayrl.judge.slots import Slots
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +117,8 @@ class LLMJudge:
         return f"llm_judge(name={self.name!r}, model={self.model!r}, base_url={self.base_url!r})"
 
     async def __call__(self, prompts: list[Any], completions: list[Any], **columns: Any) -> list[float | None]:
-        """One score (or None) per completion, with at most `concurrency` requests in flight."""
+        """One score (or None) per completion, with at most `concurrency` requests of this judge in flight across
+        the run's judge workers."""
         rows = [{k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == len(prompts)}
                 for i in range(len(prompts))]
         requests: dict[str, list[dict[str, str]]] = {}  # key -> messages: a repeat in the batch is asked once
@@ -124,10 +127,11 @@ class LLMJudge:
             m = self.messages(p, c, row)
             keys.append(self.key(m))
             requests.setdefault(keys[-1], m)
-        limit = asyncio.Semaphore(self.concurrency)
+        limit = asyncio.Semaphore(self.concurrency)  # this process's share: never more waiters than slots
+        slots = Slots(f"{self.name}|{self.base_url}|{self.model}", self.concurrency)  # the run's: see slots.py
         client = self._client()
         try:
-            replies = await asyncio.gather(*(self._reply(client, limit, k, m) for k, m in requests.items()))
+            replies = await asyncio.gather(*(self._reply(client, limit, slots, k, m) for k, m in requests.items()))
         finally:
             await client.close()
         by_key = dict(zip(requests, replies, strict=True))
@@ -157,12 +161,12 @@ class LLMJudge:
         return AsyncOpenAI(base_url=self.base_url, api_key=os.environ.get(self.api_key_env) or "EMPTY",
                            timeout=self.timeout, max_retries=self.retries)
 
-    async def _reply(self, client: Any, limit: asyncio.Semaphore, key: str,
+    async def _reply(self, client: Any, limit: asyncio.Semaphore, slots: Slots, key: str,
                      messages: list[dict[str, str]]) -> str | None:
         cached = self._cached(key)
         if cached is not None:
             return cached
-        async with limit:
+        async with limit, slots.hold():
             out = await client.chat.completions.create(model=self.model, messages=messages,
                                                        max_tokens=self.max_tokens, temperature=self.temperature)
         reply = out.choices[0].message.content if out.choices else None

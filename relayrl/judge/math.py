@@ -117,8 +117,8 @@ def _gold_parsed(gold: str) -> tuple:
             gold = gold.strip("$")  # "$\frac{1}{2}$": math mode delimiters, not a currency sign
         gold = "\\boxed{" + gold + "}"
     parsed = parse(gold, extraction_config=_LATEX, parsing_timeout=_timeout_s())
-    if not parsed:
-        raise ValueError(f"math-verify cannot parse the gold answer {gold!r}")
+    if all(isinstance(p, str) for p in parsed):  # kept only as text ('???', '-'): nothing could ever match it,
+        raise ValueError(f"math-verify cannot parse the gold answer {gold!r}")  # so the sample is rejected, not 0
     return tuple(parsed)
 
 

@@ -23,17 +23,31 @@ modules are importable there too. Workers ignore SIGINT (Ctrl-C is the parent's 
 their own when the parent disappears, even if it was SIGKILLed. Under 'spawn' every worker (and every
 replacement) re-imports the parent's __main__ module, as multiprocessing always does, so a script should
 keep heavy work under `if __name__ == "__main__":`; 'forkserver' pays that import once.
+
+Each worker leads its own session (process group), and a worker is killed as a group: on timeout, crash,
+cancellation and `close()`, SIGKILL goes to the whole group, so a reward function that starts a child process
+(a solver, a shell) and hangs, or leaves it running, leaves nothing behind. A worker whose parent died kills its
+own group too. (Not PR_SET_PDEATHSIG: it fires when the *thread* that started the worker exits, and replacement
+workers start from whichever thread runs the event loop.) A child that makes itself a new session escapes the
+group; that is deliberate work, not an accident of a hung call.
+
+What workers print is bounded: their stdout and stderr (file descriptors 1 and 2, so children's output too) go
+through pipes that a thread in the worker drains, forwarding at most `OUTPUT_LIMIT` bytes per call to the run's
+own stdout/stderr and dropping the rest with one note, so a reward function printing in a loop cannot flood the
+run's console or log file.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
 import pickle
 import resource
 import signal
+import sys
 import threading
 import traceback
 import weakref
@@ -62,8 +76,11 @@ class WorkerCrashed(RuntimeError):
 # ---- the child side ---------------------------------------------------------------------------------
 def _worker_main(conn: Any, preload: tuple[str, ...], memory_mb: int = 0) -> None:
     """Child process loop: report ready, then answer one pickled call at a time until the pipe closes."""
+    with contextlib.suppress(OSError):  # EPERM only if it already leads a group, which is as good
+        os.setsid()  # its own process group: killed as one with everything it starts (see the module docstring)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_when_orphaned()
+    output = _BoundedOutput()
     logs.from_env()  # a reward function's log records at the run's level, in the run's format
     try:
         for module in preload:
@@ -79,7 +96,54 @@ def _worker_main(conn: Any, preload: tuple[str, ...], memory_mb: int = 0) -> Non
             payload = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        conn.send_bytes(_execute(payload, resolved))
+        output.new_call()
+        reply = _execute(payload, resolved)
+        output.flush()
+        conn.send_bytes(reply)
+
+
+OUTPUT_LIMIT = 16 * 1024  # bytes of stdout + stderr a worker forwards per call; the rest is dropped
+
+
+class _BoundedOutput:
+    """Route fds 1 and 2 through pipes drained by threads that forward at most OUTPUT_LIMIT bytes per call to
+    the original stdout/stderr, with one note when a call's output is cut. A thread, not a check in each write:
+    the writers are anything (C extensions, children) and must never block on a full pipe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._budget, self._cut = OUTPUT_LIMIT, False
+        for fd in (1, 2):
+            target = os.dup(fd)
+            read, write = os.pipe()
+            os.dup2(write, fd)
+            os.close(write)
+            threading.Thread(target=self._drain, args=(read, target), name=f"output-{fd}", daemon=True).start()
+
+    def new_call(self) -> None:
+        with self._lock:
+            self._budget, self._cut = OUTPUT_LIMIT, False
+
+    @staticmethod
+    def flush() -> None:
+        """Push Python's buffered text into the pipes, so it counts against the call that printed it."""
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a reward function may have replaced or closed them
+                stream.flush()
+
+    def _drain(self, read: int, target: int) -> None:
+        while chunk := os.read(read, 1 << 16):
+            with self._lock:
+                keep = chunk[: self._budget]
+                self._budget -= len(keep)
+                note = len(keep) < len(chunk) and not self._cut
+                self._cut = self._cut or note
+            with contextlib.suppress(OSError):
+                if keep:
+                    os.write(target, keep)
+                if note:
+                    os.write(target, f"\n[relayrl judge worker {os.getpid()}: output of this call cut after "
+                                     f"{OUTPUT_LIMIT} bytes]\n".encode())
 
 
 def _limit_memory(memory_mb: int) -> None:
@@ -144,6 +208,8 @@ def _exit_when_orphaned() -> None:
 
     def watch() -> None:
         parent.join()
+        with contextlib.suppress(OSError):
+            os.killpg(0, signal.SIGKILL)  # this worker's group: itself and whatever its calls started
         os._exit(1)
 
     threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
@@ -185,6 +251,10 @@ class _Worker:
         return f"worker pid {pid} exited with code {code}"
 
     def kill(self) -> None:
+        """SIGKILL the worker's process group (its children too, even after the worker itself died), then the
+        worker in case it had not made its group yet."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=5.0)  # SIGKILL is immediate; this only reaps the zombie

@@ -19,7 +19,8 @@ from relayrl.models.aliases import MODEL_ALIASES
 _HOMES = {"DTYPES": "loading", "eos_token_ids": "loading", "load_model": "loading", "load_tokenizer": "loading",
           "resolve_model_path": "loading", "save_pretrained_atomic": "loading",
           "stored_parameters": "loading", "prepare_smollm2": "smollm2",
-          "smollm2_dir": "smollm2", "build_tiny_model": "tiny", "tiny_model": "tiny"}
+          "smollm2_dir": "smollm2", "build_tiny_model": "tiny", "tiny_model": "tiny",
+          "build_tiny_vlm": "tiny_vlm", "tiny_vlm_model": "tiny_vlm", "is_vlm_folder": "loading"}
 
 
 def __getattr__(name: str) -> Any:

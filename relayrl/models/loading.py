@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import warnings
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     GenerationConfig,
     PreTrainedModel,
@@ -25,6 +27,7 @@ from relayrl.models.aliases import ALIAS_DIRS, MODEL_ALIASES
 from relayrl.models.hub import hub_snapshot, looks_like_repo_id
 from relayrl.models.store import atomic_build, is_complete
 
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # AutoProcessor's, besides the tokenizer
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -36,6 +39,10 @@ def save_pretrained_atomic(model: PreTrainedModel, tokenizer: PreTrainedTokenize
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
+        source = Path(model.name_or_path)
+        for name in PROCESSOR_FILES if (source / "config.json").is_file() and is_vlm_folder(str(source)) else ():
+            if (source / name).is_file():  # a vision-language model's image processor: the folder loads whole
+                shutil.copyfile(source / name, tmp / name)
 
     return atomic_build(Path(path), write, force=True)
 
@@ -112,11 +119,19 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
         dtype = DTYPES[dtype]
     target = resolve_device(device or "cpu")  # an unusable device fails before the weights are read
     hf_logging.disable_progress_bar()  # a per-tensor "Loading weights" bar per model drowns the run log
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=dtype, local_files_only=True,
-                                                 attn_implementation="sdpa")
+    folder = resolve_model_path(path)
+    # a vision-language model (relayrl.models.vision) is not a causal LM to transformers' auto classes
+    auto = AutoModelForImageTextToText if is_vlm_folder(folder) else AutoModelForCausalLM
+    model = auto.from_pretrained(folder, dtype=dtype, local_files_only=True, attn_implementation="sdpa")
     if target.type != "cpu":
         model.to(target)
     return model.eval()
+
+
+def is_vlm_folder(folder: str) -> bool:
+    """Whether a model folder's config has a vision tower (read from config.json, nothing loaded)."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    return bool(cfg.get("vision_config")) and cfg.get("image_token_id") is not None
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str | os.PathLike | None) -> list[int]:

@@ -1,5 +1,5 @@
-"""Tiny random models for tests and benches: a real architecture (qwen2/llama) and a real BPE tokenizer trained
-on a small deterministic corpus, built once per argument set into the cache.
+"""Tiny random models for tests and benches: a real architecture (qwen2/llama, or qwen3_moe for mixture-of-experts
+code) and a real BPE tokenizer trained on a small deterministic corpus, built once per argument set into the cache.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from transformers import (
 from relayrl.common.utils import cache_dir
 from relayrl.models.store import CHATML_TEMPLATE, atomic_build, make_portable
 
+ARCHS = ("qwen2", "llama", "qwen3_moe")
 _TINY_VERSION = 1  # bump when build_tiny_model's output changes, so cached tiny models are rebuilt
 
 
@@ -89,10 +90,14 @@ def _train_tiny_tokenizer(vocab_size: int, max_length: int) -> PreTrainedTokeniz
 def build_tiny_model(out_dir: str | os.PathLike, *, arch: str = "qwen2", vocab_size: int = 512,
                      hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                      intermediate_size: int = 128, seed: int = 0, max_position_embeddings: int = 1024,
-                     tie_word_embeddings: bool = True) -> Path:
-    """Save a random-init causal LM with its own ChatML tokenizer: a real HF folder for fast tests."""
-    if arch not in ("qwen2", "llama"):
-        raise ValueError(f"arch must be 'qwen2' or 'llama', not {arch!r}")
+                     tie_word_embeddings: bool = True, num_experts: int = 8, experts_per_token: int = 2) -> Path:
+    """Save a random-init causal LM with its own ChatML tokenizer: a real HF folder for fast tests.
+
+    arch "qwen3_moe" is Qwen3-MoE's architecture (every layer sparse, `num_experts` experts of
+    intermediate_size // 4 each, `experts_per_token` routed per token, top-k weights renormalised as in
+    Qwen3-30B-A3B)."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(ARCHS)}, not {arch!r}")
     out = Path(out_dir)
     tok = _train_tiny_tokenizer(vocab_size, max_position_embeddings)
     pad, eos = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
@@ -100,7 +105,9 @@ def build_tiny_model(out_dir: str | os.PathLike, *, arch: str = "qwen2", vocab_s
         arch, vocab_size=len(tok), hidden_size=hidden_size, num_hidden_layers=num_layers,
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
+        bos_token_id=pad, eos_token_id=eos, pad_token_id=pad, **_moe_settings(arch, hidden_size, num_heads,
+                                                                              intermediate_size, num_experts,
+                                                                              experts_per_token))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -109,6 +116,16 @@ def build_tiny_model(out_dir: str | os.PathLike, *, arch: str = "qwen2", vocab_s
     tok.save_pretrained(out)
     make_portable(out, chat_template=CHATML_TEMPLATE, model_max_length=max_position_embeddings)
     return out
+
+
+def _moe_settings(arch: str, hidden_size: int, num_heads: int, intermediate_size: int, num_experts: int,
+                  experts_per_token: int) -> dict:
+    """The config keys a tiny qwen3_moe adds (none for the dense archs)."""
+    if arch != "qwen3_moe":
+        return {}
+    return {"head_dim": hidden_size // num_heads, "num_experts": num_experts, "num_experts_per_tok": experts_per_token,
+            "moe_intermediate_size": max(1, intermediate_size // 4), "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False}
 
 
 def tiny_model(arch: str = "qwen2", **kw) -> Path:

@@ -8,8 +8,6 @@ errors are ConfigErrors naming the key to fix. A new run whose build fails leave
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import inspect
 import random
 import shutil
@@ -19,23 +17,32 @@ import torch
 
 from relayrl.agents import AGENTS, Agent
 from relayrl.common.device import device_memory_bytes, resolve_device
-from relayrl.common.hardware import resolve_autocast, resolve_dtype, resolve_train_dtype
 from relayrl.common.net import free_port
 from relayrl.common.utils import InputError, check_writable, fit_allocator_to, tune_allocator
 from relayrl.config import ConfigError, dump_yaml, import_named
 from relayrl.config.schema import Config
 from relayrl.data import DataManager, PromptBuilder, load_rows
+from relayrl.data.images import IMAGES, check_model_takes_images
 from relayrl.engine.base import SamplingParams
-from relayrl.engine.local import LocalEngine
+from relayrl.engine.local import LocalEngine, tokenizer_decode
 from relayrl.engine.remote import RemoteEngine
 from relayrl.engine.rollout import RolloutController
 from relayrl.judge import Judge, arguments_problem
-from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path, stored_parameters
+from relayrl.models import (
+    eos_token_ids,
+    is_vlm_folder,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+)
+from relayrl.models.vision import load_processor
 from relayrl.run import checkpoint
 from relayrl.run.components import Components
 from relayrl.run.env import Env
-from relayrl.run.launcher import ManagedServer, make_server
+from relayrl.run.launcher import ManagedServer, check_launch, make_server
+from relayrl.run.lock import LOCK_FILE, RunLock
 from relayrl.run.placement import ray_placement, rendezvous_host
+from relayrl.run.precision import resolve_precision
 from relayrl.run.producer import ProducerHandle
 from relayrl.run.sources import InProcessRollouts
 from relayrl.scheduler import AsyncScheduler, SyncScheduler, group_filter
@@ -149,13 +156,16 @@ def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) 
     eval_rows = load_rows(cfg.data.eval, "data.eval", cfg.data.prompt)[: cfg.eval.size] if cfg.data.eval else None
     if role == "eval" and not eval_rows:
         raise ConfigError("evaluation needs an eval dataset", key="data.eval")
+    _check_images(cfg, train_rows, eval_rows)  # an image for a text-only model: before any model loads
     agent_cls = check_user_code(cfg, train_rows or eval_rows)  # before any model loads
+    if role != "producer":  # (its trainer checked them)
+        check_launch(cfg.engine)  # engine.server_args on the launched server's own parser
     if role == "trainer":
         return _build_trainer(cfg)
     j = cfg.judge
     judge = Judge(j.reward_fn, j.kwargs, timeout=j.timeout, workers=j.workers, max_abs_reward=j.max_abs_reward,
                   memory_mb=j.memory_mb, reward_weights=j.reward_weights, batch_size=j.batch_size)
-    judge.start()  # worker start-up overlaps model loading
+    judge.start(train_rows or eval_rows)  # worker start-up and the reward trial overlap model loading
     try:
         return _build_with_judge(cfg, train_rows, eval_rows, agent_cls, judge, role, run_dir)
     except BaseException:
@@ -163,55 +173,52 @@ def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) 
         raise
 
 
-def resolve_precision(cfg: Config, quiet: bool = False) -> Config:
-    """engine.dtype "auto" -> bf16 where bf16 is native (unless model.autocast_bf16 is false on a CPU), else
-    float32; model.autocast_bf16 "auto" -> bf16 autocast in the trainer where bf16 is native (a bf16 GPU, a CPU
-    with AVX512-BF16 or AMX), on the run's device (run.device; relayrl.common.hardware). The choice and its
-    reason are printed once (the first line of the run's start block, relayrl/tracking/progress.py); config.yaml
-    records the resolved dtypes (run.device stays as set: "auto" resolves again where the run resumes)."""
-    device = resolve_device(cfg.run.device)
-    train_dtype, train_why = _train_dtype(cfg, device)
-    dtype, why = resolve_dtype(cfg.engine.dtype, device.type, cfg.model.autocast_bf16, train_dtype)
-    autocast = resolve_autocast(cfg.model.autocast_bf16, dtype, device.type)
-    if not quiet:
-        kv = "" if cfg.engine.kv_dtype in ("auto", dtype) else f" (KV cache {cfg.engine.kv_dtype})"
-        trainer = ("bfloat16 weights, gradients and moments (each update rounded stochastically)"
-                   if train_dtype == "bfloat16" else f"float32{' + bf16 autocast' if autocast else ''}")
-        print(f"precision: engine {dtype}{kv}, trainer {trainer} on {device} ({why}; trainer weights: {train_why})")
-    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, dtype=dtype),
-                               model=dataclasses.replace(cfg.model, autocast_bf16=autocast, train_dtype=train_dtype))
+def _check_images(cfg: Config, train_rows, eval_rows) -> None:
+    """Rows with images need a vision-language model (relayrl.data.images); only its config.json is read."""
+    if not any(row.get(IMAGES) for row in (train_rows or []) + (eval_rows or [])):
+        return
+    path = resolve_model_path(cfg.model.path)
+    for rows, key in ((train_rows, "data.train"), (eval_rows, "data.eval")):
+        check_model_takes_images(rows or [], key, is_vlm_folder(path), cfg.model.path)
 
 
-def _train_dtype(cfg: Config, device: torch.device) -> tuple[str, str]:
-    """model.train_dtype resolved (relayrl.common.hardware.resolve_train_dtype) from the parameters the model folder
-    stores, before any weight is read. LoRA trains small adapters and FSDP shards torch's AdamW: fp32 there."""
-    params = None
-    if cfg.model.train_dtype == "auto":
-        if cfg.model.lora_rank or cfg.train.engine != "local":
-            return "float32", "auto: fp32 for LoRA adapters and FSDP"
-        with contextlib.suppress(FileNotFoundError):  # an alias not prepared yet: small (SmolLM2), fp32
-            params = stored_parameters(resolve_model_path(cfg.model.path, prepare=False))
-    return resolve_train_dtype(cfg.model.train_dtype, device.type, params, device_memory_bytes(device))
-
-
-def _run_folder(cfg: Config, resume: bool) -> tuple[Path, Path | None, Path | bool]:
+def _run_folder(cfg: Config, resume: bool) -> tuple[Path, Path | None, Path | bool, RunLock]:
     """A new run folder; or, resuming, the run's own folder (its logs after the checkpoint moved aside) and that
     checkpoint. The third value says what `discard_new_run` may undo: False when resuming (nothing), True for
-    a folder that existed empty (its contents), else the topmost folder this call created."""
+    a folder that existed empty (its contents), else the topmost folder this call created. The fourth is the
+    folder's lock (relayrl.run.lock), taken before anything there is moved or written; the caller releases it."""
     if resume:
-        run_dir, ckpt = checkpoint.resume_target(cfg)
-        checkpoint.prepare_resume(run_dir, ckpt)
+        run_dir = checkpoint.resume_dir(cfg)
+        lock = RunLock.acquire(run_dir)
+        try:
+            run_dir, ckpt = checkpoint.resume_target(cfg)
+            checkpoint.prepare_resume(run_dir, ckpt)
+        except BaseException:
+            lock.release()
+            raise
         created: Path | bool = False
     else:
-        run_dir, ckpt = new_run_dir(cfg), None
-        created = next((p for p in reversed([run_dir, *run_dir.parents]) if not p.exists()), True)
-        check_writable(run_dir, "run.output_dir")
-    dump_yaml(cfg, str(run_dir / "config.yaml"))
-    return run_dir, ckpt, created
+        while True:  # a new run that started at the same moment may have locked the folder picked: take the next
+            run_dir, ckpt = new_run_dir(cfg), None
+            created = next((p for p in reversed([run_dir, *run_dir.parents]) if not p.exists()), True)
+            check_writable(run_dir, "run.output_dir")
+            try:
+                lock = RunLock.acquire(run_dir)
+                break
+            except InputError:
+                continue
+    try:
+        dump_yaml(cfg, str(run_dir / "config.yaml"))
+    except BaseException:
+        discard_new_run(run_dir, created)
+        lock.release()
+        raise
+    return run_dir, ckpt, created, lock
 
 
 # what a build writes into a new run folder before training: removed again if the build fails
-_SCAFFOLD = ("config.yaml", "tensorboard", "wandb", "mlruns", "checkpoints", "weights", ".write_test", INPUTS)
+_SCAFFOLD = ("config.yaml", "tensorboard", "wandb", "mlruns", "checkpoints", "weights", ".write_test", INPUTS,
+             LOCK_FILE)
 
 
 def discard_new_run(run_dir: Path, created: Path | bool) -> None:
@@ -232,25 +239,37 @@ def discard_new_run(run_dir: Path, created: Path | bool) -> None:
 
 
 def _build_trainer(cfg: Config) -> Components:
-    """The trainer of separate placement; its producer process starts first so both load models at once."""
-    run_dir, _, created = _run_folder(cfg, resume=False)  # the config refuses checkpoints with separate placement
+    """The trainer of separate placement; its producer process starts first so both load models at once. A resume
+    restores the trainer, then hands the producer its state before it produces (relayrl.run.producer)."""
+    run_dir, ckpt, created, lock = _run_folder(cfg, resume=bool(cfg.run.resume))
+    if cfg.run.resume:  # the versions an interrupted attempt relayed: a new producer would load the newest of them
+        shutil.rmtree(run_dir / "weights", ignore_errors=True)
     host = rendezvous_host()
     try:
         producer = ProducerHandle(cfg, run_dir, build, dist_address=f"{host}:{free_port(host)}")
     except BaseException:
         discard_new_run(run_dir, created)
+        lock.release()
         raise
+    c = None
     try:
         model_path = resolve_model_path(cfg.model.path)
         tokenizer = load_tokenizer(model_path)
         train_ctl = _train_controller(cfg, model_path, _pad_id(tokenizer, eos_token_ids(tokenizer, model_path)))
-        logger = MetricsLogger.for_run(run_dir, cfg)
+        trajectories = TrajectoryLogger(run_dir, tokenizer) if cfg.run.log_trajectories else None
+        c = Components(cfg, run_dir, tokenizer, producer, train_ctl, MetricsLogger.for_run(run_dir, cfg),
+                       trajectories=trajectories)
+        checkpoint.prepare(c, ckpt)  # room for checkpoints; resume: weights, optimizer, the producer's state, RNGs
     except BaseException:
-        producer.close()
+        if c is None:
+            producer.close()
+        else:
+            c.close()  # the producer and the trackers
         discard_new_run(run_dir, created)
+        lock.release()
         raise
-    trajectories = TrajectoryLogger(run_dir, tokenizer) if cfg.run.log_trajectories else None
-    return Components(cfg, run_dir, tokenizer, producer, train_ctl, logger, trajectories=trajectories)
+    c.lock = lock
+    return c
 
 
 def build_follower(cfg: Config) -> TrainController:
@@ -272,12 +291,15 @@ def _build_with_judge(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judg
                       run_dir: Path | None) -> Components:
     if run_dir is not None:  # a producer process: the trainer owns the folder
         return _assemble(cfg, train_rows, eval_rows, agent_cls, judge, role, run_dir, None)
-    run_dir, ckpt, created = _run_folder(cfg, resume=role == "colocated" and bool(cfg.run.resume))
+    run_dir, ckpt, created, lock = _run_folder(cfg, resume=role == "colocated" and bool(cfg.run.resume))
     try:
-        return _assemble(cfg, train_rows, eval_rows, agent_cls, judge, role, run_dir, ckpt)
+        c = _assemble(cfg, train_rows, eval_rows, agent_cls, judge, role, run_dir, ckpt)
     except BaseException:
         discard_new_run(run_dir, created)
+        lock.release()
         raise
+    c.lock = lock
+    return c
 
 
 def _assemble(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge, role: str, run_dir: Path,
@@ -296,17 +318,20 @@ def _assemble(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge, role:
             server.stop()
         raise
     rollout_ctl = RolloutController(engines, partial_rollout=cfg.scheduler.partial_rollout)
+    processor = load_processor(model_path) if is_vlm_folder(model_path) else None  # prompts with images
     agent = agent_cls(rollout_ctl, tokenizer, sampling_params(cfg), judge, **cfg.agent.kwargs)
-    env = Env(agent, make_scheduler(cfg, rollout_ctl), SyncScheduler(cfg.agent.timeout))
+    scheduler = make_scheduler(cfg, rollout_ctl)  # evaluation goes before an async producer's work (it preempts it)
+    preempts = scheduler if isinstance(scheduler, AsyncScheduler) else None
+    env = Env(agent, scheduler, SyncScheduler(cfg.agent.timeout, preempts=preempts))
     data = None
     if train_rows is not None:
-        data = DataManager(train_rows, PromptBuilder(tokenizer, cfg.data.prompt, cfg.data.train),
+        data = DataManager(train_rows, PromptBuilder(tokenizer, cfg.data.prompt, cfg.data.train, processor),
                            group_size=cfg.data.group_size, shuffle=cfg.data.shuffle, seed=cfg.run.seed)
     eval_agent = eval_data = None
     if eval_rows:
         eval_agent = agent_cls(rollout_ctl, tokenizer, sampling_params(cfg, cfg.eval.temperature), judge,
                                **(cfg.agent.kwargs | cfg.eval.agent_kwargs))
-        eval_data = DataManager(eval_rows, PromptBuilder(tokenizer, cfg.data.prompt, cfg.data.eval),
+        eval_data = DataManager(eval_rows, PromptBuilder(tokenizer, cfg.data.prompt, cfg.data.eval, processor),
                                 group_size=cfg.eval.n, shuffle=False)
     logger = MetricsLogger.for_run(run_dir, cfg) if role != "producer" else None
     trajectories = TrajectoryLogger(run_dir, tokenizer) if cfg.run.log_trajectories and role != "producer" else None
@@ -332,8 +357,9 @@ def launch_servers(cfg: Config, model_path: str, run_dir: Path) -> list[ManagedS
     try:
         for i in range(e.launched_servers):
             log, seed = run_dir / "servers" / f"{e.launch}-{i}.log", cfg.run.seed + i
-            server = (placement.server(i, e, model_path, log, seed, weights) if placement
-                      else make_server(e, model_path, log, seed=seed, weights_root=weights))
+            lora = cfg.model.lora_rank  # a vLLM server loads the run's adapters (relayrl.engine.remote)
+            server = (placement.server(i, e, model_path, log, seed, weights, lora) if placement
+                      else make_server(e, model_path, log, seed=seed, weights_root=weights, lora_rank=lora))
             servers.append(server.start())
         for server in servers:  # they load their models in parallel
             server.wait_ready(e.launch_timeout)
@@ -373,9 +399,11 @@ def make_engines(cfg: Config, model_path: str, eos: list[int], run_dir: Path, la
                   kv_dtype=e.kv_dtype,
                   kv_cache_bytes=None if e.kv_cache_gb is None else int(e.kv_cache_gb * 1e9))
         if shared_model is not None:
-            return [LocalEngine(shared_model, seed=cfg.run.seed, owns_weights=False, **kw)]
+            return [LocalEngine(shared_model, seed=cfg.run.seed, owns_weights=False,
+                                decode=tokenizer_decode(model_path), **kw)]
         device = resolve_device(cfg.run.device)
-        engines = [LocalEngine(load_model(model_path, dtype=e.dtype, device=device), seed=cfg.run.seed + i, **kw)
+        engines = [LocalEngine(load_model(model_path, dtype=e.dtype, device=device), seed=cfg.run.seed + i,
+                               decode=tokenizer_decode(model_path), **kw)  # stop strings (agents' `stop`)
                    for i in range(e.num_engines)]
         for engine in engines:  # a model relayrl trained, stored in fp32, into a bf16 engine: rounded as sync rounds
             engine.round_in_fp32_weights(model_path)
@@ -402,7 +430,9 @@ def make_scheduler(cfg: Config, rollout_ctl: RolloutController) -> SyncScheduler
     if s.mode == "async":
         return AsyncScheduler(cfg.data.batch_size, max_staleness=s.max_staleness, max_concurrency=s.max_concurrency,
                               agent_timeout=cfg.agent.timeout, group_filter=keep,
-                              version_fn=lambda: rollout_ctl.version)
+                              version_fn=lambda: rollout_ctl.version, over_sample=s.over_sample,
+                              tail_batch_trigger_size=s.tail_batch_trigger_size,
+                              tail_batch_candidate_step=s.tail_batch_candidate_step)
     return SyncScheduler(cfg.agent.timeout, over_sample=s.over_sample, group_filter=keep,
                          max_attempts_factor=s.max_attempts_factor)
 
@@ -431,7 +461,7 @@ def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainControl
                     gradient_checkpointing=cfg.model.gradient_checkpointing,  # "auto": decided by the engine
                     checkpoint_saves=cfg.model.checkpoint_saves)
     if t.engine == "fsdp":  # this process's shard; the process group is up (relayrl.run.loop.train)
-        train_engine = FSDPEngine.from_pretrained(model_path, dtype=cfg.model.train_dtype,
+        train_engine = FSDPEngine.from_pretrained(model_path, dtype=cfg.model.train_dtype, lora=cfg.model,
                                                   mixed_precision=t.fsdp_mixed_precision, **optim_kw, **engine_kw)
     else:
         train_engine = TrainEngine.from_pretrained(model_path, dtype=cfg.model.train_dtype, lora=cfg.model,

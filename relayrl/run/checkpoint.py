@@ -6,7 +6,8 @@ A checkpoint is RUN_DIR/checkpoints/step_N/:
     trainer.pt     TrainController.state_dict(): policy optimizer, LR schedule, version, critic
     data.pt        the rollout source's state_dict() (relayrl.run.sources): DataManager.state_dict() (loader
                    position, epoch, drawn counter, prompts to generate again), the async scheduler's counters
-                   and each local engine's generator
+                   and each local engine's generator; with scheduler.placement=separate the producer process's
+                   (relayrl.run.producer), its own process's generators included
     rng.pt         python `random`, torch's generators
     logs.json      sizes of metrics.jsonl and trajectories/* at step N: a resume sets what follows aside
     config.yaml    the config that wrote it (a resume warns about training keys that changed, and refuses
@@ -21,13 +22,16 @@ It is built in a hidden temp folder and renamed into place, so a crash leaves ei
 complete one. A step_N without a manifest, or whose files do not match its sizes, is incomplete: it is never
 resumed from. A resume also checks every file's sha256 (damage after the write: a bad disk, a partial copy);
 a corrupt checkpoint is renamed to checkpoints/corrupt-step_N-* (kept, never deleted) and the resume falls
-back to the previous one with a warning, which needs run.keep_checkpoints >= 2. Older checkpoints are deleted
+back to the previous one with a warning, which needs run.keep_checkpoints >= 2; so is one whose files match but
+do not load (a tensor of another shape: written wrong, or edited with a fresh manifest). Older checkpoints are deleted
 (renamed away first, so a half-deleted one never looks complete) only once the new one is in place.
 
 Samples are not saved. A synchronous run has none between steps. An asynchronous run stops its producer
 for the checkpoint: the groups in flight requeue their prompt as they are cancelled, and the groups
 waiting in the replay buffer are requeued here, so data.pt counts every prompt ever drawn as either
-trained or still to generate: nothing is lost, nothing is trained twice (the producer then restarts).
+trained or still to generate: nothing is lost, nothing is trained twice (the producer then restarts). A
+producer process does the same on the trainer's request, and the groups it had already sent the trainer are
+requeued there too.
 """
 
 from __future__ import annotations
@@ -45,15 +49,16 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from relayrl.common.utils import atomic_write_text, check_writable
 from relayrl.config import ConfigError, dump_yaml, flatten, to_dict
+from relayrl.config.loader import read_yaml
 from relayrl.config.schema import Config
+from relayrl.models.moe import model_names
 from relayrl.run.checkpoint_dist import read_trainer, write_trainer
 from relayrl.run.checkpoint_logs import log_sizes, set_aside_after, set_aside_all
-from relayrl.run.components import Components
+from relayrl.run.components import Components, write_failure
 from relayrl.trainer.lora import is_lora
 
 logger = logging.getLogger(__name__)
@@ -130,10 +135,18 @@ def resume_target(cfg: Config) -> tuple[Path, Path | None]:
     return run_dir, ckpt
 
 
+def resume_dir(cfg: Config) -> Path:
+    """The run folder run.resume writes to, found without touching it (the run locks it first)."""
+    if cfg.run.resume == "auto":
+        return Path(cfg.run.output_dir) / cfg.run.name
+    path = Path(cfg.run.resume).expanduser().resolve()
+    return path.parent.parent if _STEP.fullmatch(path.name) else path
+
+
 def _find_resume_target(cfg: Config) -> tuple[Path, Path | None]:
     spec = cfg.run.resume
     if spec == "auto":
-        run_dir = Path(cfg.run.output_dir) / cfg.run.name
+        run_dir = resume_dir(cfg)
         return run_dir, latest_sound(run_dir)
     path = Path(spec).expanduser().resolve()
     if not _STEP.fullmatch(path.name):
@@ -180,8 +193,8 @@ def check_model(cfg: Config, ckpt: Path) -> None:
     the tokenizer, architecture (and with LoRA the base weights) come from model.path, so another model would
     fail later or, worse, train on. A model folder moved elsewhere passes if its config.json is the same."""
     try:
-        old = yaml.safe_load((ckpt / "config.yaml").read_text())["model"]["path"]
-    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        old = read_yaml(str(ckpt / "config.yaml"))["model"]["path"]  # bounded aliases, as any config
+    except (ConfigError, KeyError, TypeError):
         return  # no record to compare with (written by hand, or by an older relayrl)
     new = cfg.model.path
     if _same_path(old, new) or (not Path(old).expanduser().exists() and _same_architecture(ckpt / "model", new)):
@@ -259,13 +272,18 @@ def save(c: Components, step: int) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}.tmp-", dir=root))
         with c.rollouts.paused():  # an async producer must not draw prompts while their state is taken
             data = c.rollouts.state_dict()
-            rng = _rng_state()
+            rng = rng_state()
         extra = _write(c, tmp, data, rng)
         _write_manifest(tmp, step, c.train_ctl.version, extra)
         _replace(tmp, target)
     except OSError as e:
         msg = f"checkpoint of step {step}: cannot write {e.filename or tmp or root}: {e.strerror or e}"
         raise OSError(*((e.errno, msg) if e.errno else (msg,))) from e
+    except Exception as e:  # torch.save / safetensors on a full disk: RuntimeError, SafetensorError
+        failure = write_failure(e, root, f"checkpoint of step {step}: cannot write {target}")
+        if failure is None:
+            raise
+        raise failure from e
     finally:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -330,15 +348,16 @@ def _remove_temps(root: Path) -> None:
 
 
 # ---- what a checkpoint holds beyond the weights ----------------------------------------------------------
-def _rng_state() -> dict:
-    """The process-wide generators (python, torch, CUDA); the engines' own are in the rollout source's state."""
+def rng_state() -> dict:
+    """The process-wide generators (python, torch, CUDA): the trainer's here, a producer process's in its state;
+    the engines' own are in the rollout source's state."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
@@ -368,13 +387,13 @@ def restore(c: Components, ckpt: Path) -> int:
     rng = torch.load(ckpt / "rng.pt", weights_only=True)
     data.setdefault("engines", rng.get("engines", []))  # older checkpoints kept the engines' generators in rng.pt
     c.rollouts.load_state_dict(data)
-    _set_rng_state(rng)
+    set_rng_state(rng)
     return int(manifest["step"])
 
 
 def load_weights(model: torch.nn.Module, folder: Path) -> None:
     """Copy a saved HF folder's safetensors into `model` in place (tied weights are saved once)."""
-    tensors = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    tensors = model_names({k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()})
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name not in tensors:
@@ -384,7 +403,7 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
 
 def config_changes(cfg: Config, ckpt: Path) -> list[str]:
     """Keys outside run.* and eval.* whose values differ from the checkpoint's config (exactness needs none)."""
-    old = flatten(yaml.safe_load((ckpt / "config.yaml").read_text()))
+    old = flatten(read_yaml(str(ckpt / "config.yaml")))
     new = flatten(to_dict(cfg))
     return sorted(k for k in old.keys() | new.keys()
                   if not k.startswith(("run.", "eval.")) and old.get(k) != new.get(k))
@@ -411,5 +430,31 @@ def prepare(c: Components, ckpt: Path | None) -> None:
     if c.cfg.run.checkpoint_every:
         check_writable(checkpoints_dir(c.run_dir), "run.checkpoint_every")
         check_space(checkpoints_dir(c.run_dir), checkpoint_bytes(c))
-    if ckpt is not None:
-        c.step = restore(c, ckpt)
+    while ckpt is not None:
+        try:
+            c.step = restore(c, ckpt)
+            return
+        except (MemoryError, torch.cuda.OutOfMemoryError):
+            raise  # the machine's problem, not the checkpoint's
+        except Exception as e:  # noqa: PERF203 - content its checksums cannot catch: written wrong, or edited
+            if "world_size" in (read_manifest(ckpt) or {}):
+                raise  # sharded: every rank loads its slice; falling back on one rank alone would split them
+            ckpt = _fall_back(c.run_dir, ckpt, f"{type(e).__name__}: {e}")
+
+
+def _fall_back(run_dir: Path, ckpt: Path, problem: str) -> Path:
+    """Set aside a checkpoint that matched its checksums but failed to load, as `latest_sound` sets aside a
+    corrupt one, and return the previous sound checkpoint, its logs put back as they were then. The next
+    `restore` overwrites everything the failed one loaded (weights, optimizer, data, RNGs)."""
+    problem = " ".join(problem.split())[:300]
+    aside = ckpt.with_name(f"corrupt-{ckpt.name}-{time.time_ns()}")
+    os.rename(ckpt, aside)
+    logger.warning("checkpoint %s failed to load (%s): moved to %s; falling back to the previous checkpoint",
+                   ckpt, problem, aside.name)
+    print(f"warning: checkpoint {ckpt} failed to load ({problem}); moved to {aside.name}")
+    previous = latest_sound(run_dir)
+    if previous is None:
+        raise ConfigError(f"{ckpt} failed to load ({problem}; moved to {aside.name}) and no older checkpoint is left "
+                          "(run.keep_checkpoints >= 2 keeps one)", key="run.resume")
+    prepare_resume(run_dir, previous)
+    return previous

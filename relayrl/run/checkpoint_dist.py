@@ -6,11 +6,14 @@ rank 0 (three times the model's size). Instead every rank writes its own shard w
 torch.distributed.checkpoint (DCP) into `trainer_shards/`, in parallel; DCP's metadata records which slice
 of which tensor each file holds, so a checkpoint loads into any number of ranks (it reshards).
 
-    trainer_shards/   DCP: __R_0.distcp per rank R (its shard of the policy weights and optimizer state),
+    trainer_shards/   DCP: __R_0.distcp per rank R (its shard of the policy weights and optimizer state; with LoRA
+                      of the adapters and their optimizer state only, the base being model.path's),
                       .metadata (written by rank 0 once every rank's files are written)
     trainer.pt        what every rank holds whole: version, LR schedule, PPO critic (not sharded: each rank
-                      trains the same copy), without the policy optimizer
-    model/            the full policy as a plain HF folder (gathered one parameter at a time), as with one process
+                      trains the same copy), each rank's generators (LoRA dropout draws on every rank), without
+                      the policy optimizer (and with LoRA an empty "lora" entry: the adapters are in the shards)
+    model/            the full policy as a plain HF folder (gathered one parameter at a time; LoRA: merged), as
+                      with one process
 
 Everything else (data position, RNG states, logs, config, manifest) is rank 0's, written by relayrl.run.checkpoint
 as for one process; the manifest comes last and records `world_size`. Rank 0 tells the other ranks to
@@ -26,17 +29,17 @@ import torch.distributed as dist
 
 from relayrl.run.components import Components
 from relayrl.trainer.leader import lead
+from relayrl.trainer.shards import replicated_state
 
 
 # ---- rank 0: relayrl.run.checkpoint's save and restore call these ----------------------------------------------
 def write_trainer(c: Components, folder: Path) -> dict:
     """Write the trainer part of a checkpoint (every rank its shard; rank 0 the rest) into `folder`.
     Returns what the manifest records about it."""
-    ctl = lead(c.train_ctl)  # the followers mirror the save and the gather
-    ctl.save_checkpoint(folder)
-    torch.save({k: v for k, v in ctl.state_dict().items() if k != "policy_optimizer"}, folder / "trainer.pt")
-    ctl.engine.model.save_pretrained(folder / "model", state_dict=ctl.full_state_dict())
-    c.tokenizer.save_pretrained(folder / "model")
+    c.train_ctl = lead(c.train_ctl)  # the followers mirror the save and the gather
+    rank_rng = c.train_ctl.save_checkpoint(folder)
+    torch.save({**replicated_state(c.train_ctl), "rank_rng": rank_rng}, folder / "trainer.pt")
+    c.save_model(folder / "model")  # gathered one parameter at a time (LoRA: the adapters, merged into the base)
     return {"world_size": dist.get_world_size()}
 
 

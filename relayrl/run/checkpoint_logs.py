@@ -18,9 +18,10 @@ import os
 from pathlib import Path
 
 from relayrl.common.utils import atomic_write_bytes
+from relayrl.run.lock import LOCK_FILE
 
 SUPERSEDED = "superseded"
-_KEEP_IN_PLACE = {"checkpoints", SUPERSEDED}
+_KEEP_IN_PLACE = {"checkpoints", SUPERSEDED, LOCK_FILE}  # the lock file is held by the resuming run itself
 
 
 def log_files(run_dir: Path) -> list[Path]:

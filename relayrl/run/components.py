@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -9,6 +12,7 @@ from relayrl.common.utils import close_all
 from relayrl.config.schema import Config
 from relayrl.models import save_pretrained_atomic
 from relayrl.run.launcher import ManagedServer
+from relayrl.run.lock import RunLock
 from relayrl.run.sources import RolloutSource
 from relayrl.tracking.metrics import MetricsLogger
 from relayrl.tracking.trajectories import TrajectoryLogger
@@ -33,6 +37,7 @@ class Components:
     trajectories: TrajectoryLogger | None = None
     servers: list[ManagedServer] = field(default_factory=list)  # inference servers this run launched
     step: int = 0  # the last finished training step: a resumed run continues after it
+    lock: RunLock | None = None  # the run folder's (relayrl.run.lock), released last by close(); None in a producer
 
     @property
     def rollout_ctl(self):
@@ -55,14 +60,46 @@ class Components:
         return getattr(self.rollouts, "judge", None)
 
     def save_model(self, path: Path) -> Path:
-        """Write the trained policy as a plain HF folder (loads with from_pretrained), atomically."""
+        """Write the trained policy as a plain HF folder (loads with from_pretrained), atomically. A full or
+        read-only disk is an OSError naming `path` (see `write_failure`)."""
         model = self.train_ctl.engine.model
-        if is_lora(model):  # LoRA: the adapters merged into the base weights, no peft needed to load it
-            return save_pretrained_atomic(model.get_base_model(), self.tokenizer, path,
-                                          state_dict=merged_state_dict(model))
-        full = getattr(self.train_ctl, "full_state_dict", None)  # FSDP: gather the shards (all ranks take part)
-        return save_pretrained_atomic(model, self.tokenizer, path, state_dict=full() if full else None)
+        full = getattr(self.train_ctl, "full_state_dict", None)  # FSDP: gather the shards (all ranks)
+        try:
+            if is_lora(model):  # LoRA: the adapters merged into the base weights, no peft needed to load it
+                return save_pretrained_atomic(model.get_base_model(), self.tokenizer, path,
+                                              state_dict=merged_state_dict(model, full() if full else None))
+            return save_pretrained_atomic(model, self.tokenizer, path, state_dict=full() if full else None)
+        except Exception as e:
+            failure = write_failure(e, path.parent, f"cannot write the model to {path}")
+            if failure is None:
+                raise
+            raise failure from e
 
     def close(self) -> None:
         """Release everything, rollouts first (they may be using the rest), each part even if another fails."""
-        close_all([self.rollouts.close, self.logger and self.logger.close, *(s.stop for s in self.servers)])
+        close_all([self.rollouts.close, self.logger and self.logger.close, *(s.stop for s in self.servers),
+                   self.lock and self.lock.release])
+
+
+_FULL_BYTES = 16 * 2**20  # free space below this after a failed write: the disk is full
+
+
+def write_failure(e: Exception, folder: Path, what: str) -> OSError | None:
+    """`e`, raised while writing into `folder`, as an OSError whose message starts with `what` when the cause is
+    the disk: full, read-only or not writable; None when it is something else (re-raise `e`). torch.save and
+    safetensors report a full disk as a RuntimeError / SafetensorError without an errno, so the file system
+    is asked."""
+    if isinstance(e, OSError) and e.errno:
+        return OSError(e.errno, f"{what}: {e.strerror}")
+    try:
+        stat = os.statvfs(folder)
+        free = shutil.disk_usage(folder).free
+    except OSError as gone:
+        return OSError(gone.errno, f"{what}: {gone.strerror}")
+    if stat.f_flag & os.ST_RDONLY:
+        return OSError(errno.EROFS, f"{what}: {os.strerror(errno.EROFS)}")
+    if not os.access(folder, os.W_OK):
+        return OSError(errno.EACCES, f"{what}: {os.strerror(errno.EACCES)}")
+    if free < _FULL_BYTES:
+        return OSError(errno.ENOSPC, f"{what}: {os.strerror(errno.ENOSPC)} ({free / 2**20:.1f} MiB free)")
+    return None

@@ -91,9 +91,9 @@ class RayPlacement:
                 "num_cpus": res.get("CPU", 0), "num_gpus": res.get("GPU", 0)}
 
     def server(self, i: int, engine_cfg, model_path: str, log: Path, seed: int,
-               weights_root: str | None = None) -> RayServer:
+               weights_root: str | None = None, lora_rank: int = 0) -> RayServer:
         actor = _remote(ServerActor).options(**self.options(self.layout.servers[i])).remote(self)
-        return RayServer(actor, (engine_cfg, model_path, str(log), seed, weights_root, self.server_host))
+        return RayServer(actor, (engine_cfg, model_path, str(log), seed, weights_root, lora_rank, self.server_host))
 
     def producer(self, main, args: tuple) -> tuple[RayProcess, Any, Any]:
         """The producer as an actor running `main(*args, to_trainer, from_trainer)`, with the two queues it talks
@@ -135,11 +135,11 @@ class _Actor:
 
 
 class ServerActor(_Actor):
-    def start(self, engine_cfg, model_path: str, log: str, seed: int, weights_root: str | None,
+    def start(self, engine_cfg, model_path: str, log: str, seed: int, weights_root: str | None, lora_rank: int,
               host: str) -> tuple[str, str]:
         ip = _node_ip()
         self.server = make_server(engine_cfg, model_path, Path(log), seed=seed, host=ip if host == "node" else host,
-                                  weights_root=weights_root).start()
+                                  weights_root=weights_root, lora_rank=lora_rank).start()
         return self.server.url, ip
 
     def wait_ready(self, timeout: float) -> None:

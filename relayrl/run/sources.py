@@ -24,6 +24,7 @@ from relayrl.run.env import Env
 from relayrl.run.evaluator import Evaluator
 from relayrl.sample import Sample
 from relayrl.scheduler import AsyncScheduler
+from relayrl.scheduler.asynchronous import expiries
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class InProcessRollouts:
         self.stop()
         try:
             for group in self.data.replay_buffer.take():
-                self.data.requeue(group[0].data)
+                self.data.requeue(group[0].data, expiries(group))  # a checkpoint keeps the tail count
                 self.env.scheduler.manager.on_expire()
             yield
         finally:

@@ -1,7 +1,7 @@
 """Schedulers: how many trajectories are in flight and when a batch is ready.
 
 `SyncScheduler` produces one batch at a time; `AsyncScheduler` keeps producing beside the trainer with
-bounded staleness.
+bounded staleness, over-sampling and a tail batch for prompts that keep expiring.
 """
 
 from relayrl.scheduler.asynchronous import AsyncScheduler, StalenessManager

@@ -4,6 +4,10 @@ Options: over-sampling (start more groups than the batch needs and keep the firs
 cuts the long tail; the rest are cancelled and their engine slots freed) and a group filter (e.g. drop
 groups whose rewards are all equal, DAPO's dynamic sampling) that keeps the batch size by starting
 replacement groups, up to `max_attempts_factor` x batch size attempts.
+
+An evaluation beside an asynchronous producer runs on a SyncScheduler that `preempts` it: while the evaluation's
+batch is produced the producer starts no new group (`AsyncScheduler.held`) and the engine serves the evaluation's
+requests before the producer's waiting ones (relayrl.engine.priority).
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import time
 
 from relayrl.agents.base import Agent
 from relayrl.data.manager import DataManager
+from relayrl.engine.priority import urgent
 from relayrl.sample import Status
+from relayrl.scheduler.asynchronous import AsyncScheduler
 from relayrl.scheduler.common import GroupFilter, keep_all, rejection_counts, rejection_metrics, run_group
 
 logger = logging.getLogger(__name__)
@@ -23,11 +29,19 @@ logger = logging.getLogger(__name__)
 
 class SyncScheduler:
     def __init__(self, agent_timeout: float | None = None, *, over_sample: float = 0.0,
-                 group_filter: GroupFilter = keep_all, max_attempts_factor: float = 4.0):
+                 group_filter: GroupFilter = keep_all, max_attempts_factor: float = 4.0,
+                 preempts: AsyncScheduler | None = None):
         self.agent_timeout, self.over_sample = agent_timeout, over_sample
         self.group_filter, self.max_attempts_factor = group_filter, max_attempts_factor
+        self.preempts = preempts
 
     async def produce_batch(self, batch_size: int, data_mgr: DataManager, agent: Agent) -> dict[str, float]:
+        if self.preempts is None:
+            return await self._produce(batch_size, data_mgr, agent)
+        with self.preempts.held(), urgent():
+            return await self._produce(batch_size, data_mgr, agent)
+
+    async def _produce(self, batch_size: int, data_mgr: DataManager, agent: Agent) -> dict[str, float]:
         t0 = time.perf_counter()
         budget = max(batch_size, math.ceil(batch_size * self.max_attempts_factor))
         launched = min(budget, math.ceil(batch_size * (1 + self.over_sample)))

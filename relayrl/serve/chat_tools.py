@@ -16,6 +16,9 @@ to X, so the call and its name are certain; those prefilled tokens are prompt (`
 generated tokens or logprobs. Without a grammar engine the arguments the model writes after the prefill are not
 guaranteed JSON: when they do not parse, the reply is the turn as text (the prefilled opening included), no
 `tool_calls`. "required" (some call to some tool) would need constrained decoding and is refused with 400.
+`parallel_tool_calls: false` returns at most the turn's first call (what OpenAI promises; nothing stops the model
+from writing more, so the rest are dropped from the answer, as a named choice drops what follows its call).
+OpenAI's legacy `functions` / `function_call` are refused with 400 naming them (relayrl.serve.openai_params).
 
 `response_format` `{"type": "text"}` is accepted; `json_object` and `json_schema`, and vLLM's guided-decoding
 fields, need constrained decoding that relayrl's engine does not have: 400 naming the field, never ignored.
@@ -23,6 +26,7 @@ fields, need constrained decoding that relayrl's engine does not have: 400 namin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import secrets
@@ -74,6 +78,7 @@ class ToolChoice:
     mode: str  # "auto" | "none" | "named"
     name: str | None = None
     prefill: str = ""  # text that opens the assistant turn (a named call's opening), part of the prompt
+    single: bool = False  # parallel_tool_calls: false: at most one call comes back
 
 
 class ChatTools:
@@ -99,8 +104,13 @@ class ChatTools:
                           t["function"].get("parameters", {}), None) for t in tools]
         return [{"role": "system", "content": self.format.system_prompt(described)}, *messages], {}
 
-    def choice(self, raw: Any, tools: list[dict] | None) -> ToolChoice:
-        """`tool_choice` checked against `tools` (module doc); 400 naming it when it cannot be honoured."""
+    def choice(self, raw: Any, tools: list[dict] | None, parallel: bool = True) -> ToolChoice:
+        """`tool_choice` checked against `tools` (module doc); 400 naming it when it cannot be honoured.
+        `parallel`: the request's parallel_tool_calls."""
+        choice = self._choice(raw, tools)
+        return choice if parallel else dataclasses.replace(choice, single=True)
+
+    def _choice(self, raw: Any, tools: list[dict] | None) -> ToolChoice:
         if raw is None:
             return ToolChoice("auto" if tools else "none")
         if raw in ("auto", "none"):
@@ -118,6 +128,16 @@ class ChatTools:
                              f" ({', '.join(names)[:300] or 'none given'})")
         return ToolChoice("named", fn["name"], _OPENING[self.format.name].format(name=json.dumps(fn["name"])))
 
+    def call_start(self, choice: ToolChoice) -> str | None:
+        """Where streamed content must stop, since what follows may be a tool call: the format's call marker;
+        "" (all of it) where the marker is a special token (absent from the text), the whole turn is the call
+        (llama3), or the call is forced (named tool_choice); None without tools."""
+        if choice.mode == "none":
+            return None
+        if choice.mode == "named" or self.format.keep_special:
+            return ""
+        return CALL_START.get(self.format.name, "")
+
     def reply(self, choice: ToolChoice, out: GenOutput, text: str, stops: tuple[str, ...],
               finish: str) -> tuple[str | None, list[dict[str, Any]] | None, str]:
         """(content, tool_calls, finish_reason) of one output whose decoded text is `text`. A named call
@@ -127,8 +147,8 @@ class ChatTools:
             return text, None, finish
         raw = choice.prefill + self._calls_text(out, text, stops)
         calls = self.format.parse(raw)
-        if choice.mode == "named":
-            calls = calls[:1]  # the forced call; anything written after it is not part of the answer
+        if choice.mode == "named" or choice.single:
+            calls = calls[:1]  # the forced (or only allowed) call; what is written after it is not part of the answer
         if not calls or not all(isinstance(c, dict) for c in calls):
             return (choice.prefill + text if choice.prefill else text), None, finish
         start = CALL_START.get(self.format.name)

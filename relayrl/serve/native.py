@@ -85,7 +85,7 @@ def generate_response(job: Job, out: GenOutput, state: ServerState, scored: Scor
         "output_token_versions": list(out.versions)}
     if job.logprobs.output:
         meta.update(logprob_meta(job.logprobs, job.prompt, out, scored, state.tokenizer))
-    text = output_text(state.tokenizer, out, job.params.stop_strings, job.skip_special_tokens)
+    text = output_text(state.tokenizer, out, job.params.stop_strings if job.trim_stop else (), job.skip_special_tokens)
     return {"text": text, "output_ids": list(out.output_ids), "meta_info": meta}
 
 

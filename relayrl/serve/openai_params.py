@@ -42,6 +42,7 @@ from relayrl.serve.limits import (
     top_k,
     top_p,
 )
+from relayrl.serve.tool_schema import check_name, check_schema
 
 log = logging.getLogger("relayrl.serve")
 # OpenAI / vLLM options that would change what is sampled: refused unless neutral
@@ -49,6 +50,7 @@ NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 
            "best_of": 1, "suffix": None, "logit_bias": None}
 MAX_TOP_LOGPROBS = 20  # alternatives per token: OpenAI's bound for chat top_logprobs (and SGLang's top_logprobs_num)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions `logprobs`
+LEGACY_FUNCTIONS = ("functions", "function_call")  # refused, never ignored: a client would wait for calls in vain
 
 
 def sampling(body: dict[str, Any], limits: ServerLimits, prompt_len: int) -> tuple[SamplingParams, int]:
@@ -72,7 +74,12 @@ def sampling(body: dict[str, Any], limits: ServerLimits, prompt_len: int) -> tup
 def _check_extras(body: dict[str, Any]) -> None:
     """Fields that only shape the answer: the right type, or 400; constrained decoding: 400."""
     flag(body, "return_token_ids", False)
+    flag(body, "parallel_tool_calls", True)  # honoured by relayrl.serve.chat_tools
     check_structured_output(body)
+    for key in LEGACY_FUNCTIONS:
+        if body.get(key) is not None:
+            raise BadRequest(key, "is OpenAI's deprecated function calling; send tools and tool_choice instead",
+                             "unsupported_value")
     for key in ("model", "user"):
         if body.get(key) is not None and not isinstance(body[key], str):
             raise BadRequest(key, "must be a string")
@@ -128,19 +135,20 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
 
 
 def tools(raw: Any) -> list[dict[str, Any]] | None:
-    """OpenAI function tools: [{"type": "function", "function": {"name", "description"?, "parameters"?}}]."""
+    """OpenAI function tools: [{"type": "function", "function": {"name", "description"?, "parameters"?}}],
+    each schema checked whole (relayrl.serve.tool_schema) before a template sees it."""
     if not raw:
         return None
     if not isinstance(raw, list):
         raise BadRequest("tools", "must be a list of function tools")
     for i, t in enumerate(raw):
         fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        if not isinstance(fn, dict) or t.get("type", "function") != "function":
             raise BadRequest(f"tools[{i}]", 'must be {"type": "function", "function": {"name": ...}}')
+        check_name(fn.get("name"), f"tools[{i}].function.name")
         if not isinstance(fn.get("description", ""), str):
             raise BadRequest(f"tools[{i}].function.description", "must be a string")
-        if not isinstance(fn.get("parameters", {}), dict):
-            raise BadRequest(f"tools[{i}].function.parameters", "must be an object (a JSON schema)")
+        check_schema(fn.get("parameters", {}), f"tools[{i}].function.parameters")
     return raw
 
 

@@ -64,6 +64,7 @@ class Job:
     logprobs: LogprobAsk
     skip_special_tokens: bool = True  # for `text` only; output_ids always hold every token
     generate: bool = True  # False: max_new_tokens 0, the prompt is only scored (params then ask for one token)
+    trim_stop: bool = True  # False (SGLang's no_stop_trim): `text` keeps the stop string that ended it
 
     @property
     def cost(self) -> int:
@@ -171,12 +172,14 @@ async def parse_generate(body: dict[str, Any], limits: ServerLimits, tokenize: T
         params = dataclasses.replace(params, max_new_tokens=limits.new_tokens(len(prompt), params.max_new_tokens),
                                      top_logprobs=lp.top)
         name = rid(name, f"rid[{i}]" if batch and isinstance(body.get("rid"), list) else "rid")
-        parsed.append((prompt, params, n, name, lp, flag(raw or {}, "skip_special_tokens", True, where), score_only))
+        text_options = (flag(raw or {}, "skip_special_tokens", True, where),
+                        not flag(raw or {}, "no_stop_trim", False, where))
+        parsed.append((prompt, params, n, name, lp, text_options, score_only))
     limits.check_samples(sum(p[2] for p in parsed), "sampling_params.n")
     jobs: list[Job] = []
-    for prompt, params, n, name, lp, skip, score_only in parsed:
+    for prompt, params, n, name, lp, (skip, trim), score_only in parsed:
         for k in range(n):  # a seeded group gets seeds seed..seed+n-1: distinct samples, still reproducible
             seeded = params if params.seed is None or k == 0 else dataclasses.replace(params, seed=params.seed + k)
-            jobs.append(Job(prompt, seeded, name or uuid.uuid4().hex, name, lp, skip, not score_only))
+            jobs.append(Job(prompt, seeded, name or uuid.uuid4().hex, name, lp, skip, not score_only, trim))
     limits.check_cost(sum(j.cost for j in jobs), "sampling_params.max_new_tokens")
     return jobs, batch or len(jobs) > 1

@@ -24,8 +24,12 @@ Hostile clients: every field of every request is checked against the server's li
 reaches the engine (`relayrl.serve.limits`, `parsing`, `openai_params`); requests wait in a fair queue in
 front of the engine, so no request's size holds up another's (`relayrl.serve.admission`); errors name the
 field and never carry internal details (`relayrl.serve.errors`); weights load only from under --weights-root
-(`relayrl.serve.weights_disk`); a non-loopback address needs --api-key or --insecure, and with a key the
-interactive docs are off (`relayrl.serve.security`). docs/security.md lists what is refused, and how.
+(`relayrl.serve.weights_disk`) and every weight update is checked (finite, shape, dtype) before the engine
+sees it; a non-loopback address needs an API key or --insecure, and with a key the interactive docs are off;
+requests a web page could send (not JSON, a foreign Host or Origin) are refused (`relayrl.serve.security`);
+connections are capped and idle ones closed (`relayrl.serve.connections`); tool schemas are checked whole
+(`relayrl.serve.tool_schema`); special tokens typed in chat messages can be made text
+(`relayrl.serve.special_tokens`). docs/security.md lists what is refused, and how.
 
 Lifecycle: the engine is loaded before the server binds, the ready line is printed once it accepts
 requests, and SIGTERM / SIGINT shut down gracefully: new generations get 503, running ones finish at once
@@ -46,7 +50,9 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
+from relayrl.common.device import resolve_device
 from relayrl.common.hardware import resolve_dtype
 from relayrl.common.logs import third_party_level
 from relayrl.engine.base import GenOutput, SamplingParams
@@ -54,12 +60,22 @@ from relayrl.engine.local import LocalEngine
 from relayrl.engine.scoring import Scored
 from relayrl.models import load_tokenizer, resolve_model_path
 from relayrl.serve import openai_params
-from relayrl.serve.chat_tools import CALL_START, ChatTools, ToolChoice
+from relayrl.serve.chat_tools import ChatTools, ToolChoice
+from relayrl.serve.connections import (
+    ConnectionLimits,
+    Connections,
+    check_max_connections,
+    default_max_connections,
+    listen_backlog,
+    protocol_class,
+    quiet_accept_errors,
+)
 from relayrl.serve.errors import BadRequest
-from relayrl.serve.limits import ServerLimits
+from relayrl.serve.limits import ServerLimits, flag
 from relayrl.serve.native import health, native_router, output_text, submit_scores
 from relayrl.serve.openai_api import Alternatives, chat_response, completion_logprobs, make_openai_app
-from relayrl.serve.security import ServeRefused, check_options
+from relayrl.serve.security import ServeRefused, SiteGuard, SitePolicy, check_options
+from relayrl.serve.special_tokens import Escaped, encode, special_texts
 from relayrl.serve.state import ServerState
 from relayrl.serve.streaming import (
     Answer,
@@ -81,20 +97,29 @@ class EngineBackend:
     """The ChatBackend of `make_openai_app` over the served engine; every request stands alone and is checked
     whole (`relayrl.serve.openai_params`) before any of it reaches the engine."""
 
-    def __init__(self, state: ServerState, model_name: str):  # responses name the first --served-model-name
-        self.state, self.model_name, self.tok = state, model_name, state.tokenizer
+    def __init__(self, state: ServerState, model_name: str, escape_special_tokens: bool = False):
+        self.state, self.model_name, self.tok = state, model_name, state.tokenizer  # the first served name
         self.limits = state.limits
         self.tools = ChatTools(self.tok)
+        self.specials = special_texts(self.tok) if escape_special_tokens else ()
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None, prefill: str = "") -> list[int]:
         """Render with the chat template (generation prompt added, then `prefill`: the assistant turn's opening)
-        and tokenize, as RecordingBackend does."""
+        and tokenize, as RecordingBackend does; with --escape-special-tokens the client's special-token text
+        stays text (relayrl.serve.special_tokens)."""
+        try:
+            escaped = Escaped([messages, tools], self.specials) if self.specials else None
+        except RecursionError:
+            raise BadRequest("messages", "nest too deeply") from None
+        if escaped is not None:
+            messages, tools = escaped.value
         messages, kw = self.tools.template_inputs(messages, tools)
         try:
             text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
         except Exception as e:
             raise openai_params.render_error(e) from None
-        return self.tok(text + prefill, add_special_tokens=False)["input_ids"]
+        text, spans = escaped.restore(text + prefill) if escaped is not None else (text + prefill, [])
+        return encode(self.tok, text, spans)
 
     async def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None,
                               prefill: str = "") -> list[int]:
@@ -151,7 +176,7 @@ class EngineBackend:
         asked = openai_params.logprob_options(body, chat=True)
         messages = openai_params.messages(body.get("messages"), self.limits)
         tools = openai_params.tools(body.get("tools"))
-        tool_choice = self.tools.choice(body.get("tool_choice"), tools)
+        tool_choice = self.tools.choice(body.get("tool_choice"), tools, flag(body, "parallel_tool_calls", True))
         prompt = await self.chat_prompt_ids(messages, tools, tool_choice.prefill)
         params, n = openai_params.sampling(body, self.limits, len(prompt))
         params = dataclasses.replace(params, top_logprobs=asked.top)
@@ -244,17 +269,7 @@ class EngineBackend:
             return self.tools.reply(tool_choice, out, text, p.stop_strings, _finish(out))
 
         return self.stream(f"chatcmpl-{uuid.uuid4().hex}", ChatChunks(self.answer(asked, with_ids), reply),
-                           [(prompt, params, n)], usage, self.call_start(tool_choice))
-
-    def call_start(self, choice: ToolChoice) -> str | None:
-        """Where streamed content must stop, since what follows may be a tool call: the format's call marker;
-        "" (all of it) where the marker is a special token (absent from the text), the whole turn is the call
-        (llama3), or the call is forced (named tool_choice); None without tools."""
-        if choice.mode == "none":
-            return None
-        if choice.mode == "named" or self.tools.format.keep_special:
-            return ""
-        return CALL_START.get(self.tools.format.name, "")
+                           [(prompt, params, n)], usage, self.tools.call_start(tool_choice))
 
     def completion_stream(self, jobs: list[tuple[list[int], SamplingParams | None, int]], texts: list[str],
                           asked: openai_params.Logprobs, with_ids: bool, usage: bool) -> Stream:
@@ -276,8 +291,10 @@ def _usage(prompt_lens: list[int], outs: list[GenOutput]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def build_app(state: ServerState, model_names: tuple[str, ...]) -> FastAPI:
-    """The one app: OpenAI routes (a request's `model` one of `model_names`), native routes, and an open /health;
+def build_app(state: ServerState, model_names: tuple[str, ...], site: SitePolicy,
+              escape_special_tokens: bool = False) -> FastAPI:
+    """The one app: OpenAI routes (a request's `model` one of `model_names`), native routes, and an open /health,
+    behind the cross-site checks of `site` (relayrl.serve.security; CORS answers for its allowed origins only);
     the engine is closed on shutdown."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -286,7 +303,8 @@ def build_app(state: ServerState, model_names: tuple[str, ...]) -> FastAPI:
         await asyncio.to_thread(state.engine.close)
         state.close()
 
-    app = make_openai_app(EngineBackend(state, model_names[0]), state.api_key, lifespan=lifespan,
+    backend = EngineBackend(state, model_names[0], escape_special_tokens)
+    app = make_openai_app(backend, state.api_key, lifespan=lifespan,
                           max_body_bytes=state.limits.max_body_bytes, served_models=model_names, streaming=True)
     app.include_router(native_router(state))
 
@@ -294,6 +312,10 @@ def build_app(state: ServerState, model_names: tuple[str, ...]) -> FastAPI:
         return health(state)
 
     app.add_api_route("/health", health_route, methods=["GET"])
+    if site.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(site.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+    app.add_middleware(SiteGuard, policy=site)  # added last: runs first, before CORS answers a preflight
     return app
 
 
@@ -306,6 +328,7 @@ class RelayServer(uvicorn.Server):
         self.state = state
 
     async def startup(self, sockets: list | None = None) -> None:
+        quiet_accept_errors(asyncio.get_running_loop())
         await super().startup(sockets)
         if self.started and not self.should_exit:
             port = self.servers[0].sockets[0].getsockname()[1] if self.servers else self.config.port
@@ -347,6 +370,11 @@ class ServeOptions:
     max_body_bytes: int | None = None
     kv_dtype: str = "auto"  # the engine's KV cache (LocalEngine kv_dtype)
     served_model_names: tuple[str, ...] = ()  # what a request's `model` may be; () : the --model argument
+    allowed_hosts: tuple[str, ...] = ()  # Host names served besides IP literals, localhost and --host ("*": any)
+    allowed_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (CORS), "*": any
+    max_connections: int | None = None  # None: half the open-files limit, at most 1024
+    idle_timeout: float = 10.0  # seconds a connection may wait for a request's complete headers
+    escape_special_tokens: bool = False  # special-token text in chat messages is tokenized as text
 
 
 def _limits(engine: Any, max_batch_size: int, options: ServeOptions) -> ServerLimits:
@@ -360,9 +388,19 @@ def _limits(engine: Any, max_batch_size: int, options: ServeOptions) -> ServerLi
         raise ServeRefused(str(e)) from None
 
 
+def _connection_limits(options: ServeOptions) -> ConnectionLimits:
+    if not options.idle_timeout > 0:
+        raise ServeRefused(f"--idle-timeout must be > 0 seconds, got {options.idle_timeout}")
+    try:
+        cap = check_max_connections(options.max_connections or default_max_connections())
+    except ValueError as e:
+        raise ServeRefused(str(e)) from None
+    return ConnectionLimits(cap, options.idle_timeout)
+
+
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, dtype: str = "auto",
           max_batch_size: int = 64, max_seq_len: int | None = None, seed: int = 0, log_level: str = "info",
-          options: ServeOptions | None = None) -> None:
+          options: ServeOptions | None = None, device: str = "cpu") -> None:
     """Load `model` (a folder or an alias) and serve it until SIGTERM / SIGINT. Port 0 picks a free port
     (the ready line tells which). ServeRefused when the options do not allow starting. relayrl's own records
     (internal errors, with their request id and traceback) go where the caller's logging sends them (the CLI:
@@ -373,19 +411,26 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, dtype: str 
     if not all(names):
         raise ServeRefused("--served-model-name: a name must not be empty")
     weights_root = check_options(host, options.api_key, options.insecure, options.weights_root)
+    conns = Connections(_connection_limits(options))
+    try:  # before the model loads: --device cuda on a machine without CUDA is one line, not a traceback
+        where = resolve_device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ServeRefused(f"--device: {e}") from None
     path = resolve_model_path(model)
-    dtype, why = resolve_dtype(dtype)
+    dtype, why = resolve_dtype(dtype, where.type)
     kv = "" if options.kv_dtype in ("auto", dtype) else f", KV cache {options.kv_dtype}"
-    print(f"relayrl serve: {dtype}{kv} ({why})", flush=True)
+    print(f"relayrl serve: {dtype}{kv} on {where} ({why})", flush=True)
     engine = LocalEngine.from_pretrained(path, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                          max_tokens_in_flight=options.max_tokens_in_flight, seed=seed,
-                                         kv_dtype=options.kv_dtype)
+                                         kv_dtype=options.kv_dtype, device=where)
     try:
         state = ServerState(engine, load_tokenizer(path), path, _limits(engine, max_batch_size, options),
                             options.api_key, weights_root)
-        config = uvicorn.Config(build_app(state, names), host=host, port=port,
-                                log_level=third_party_level(log_level), lifespan="on",
-                                timeout_graceful_shutdown=5, server_header=False)
+        site = SitePolicy(host, bool(options.api_key), options.allowed_hosts, options.allowed_origins)
+        config = uvicorn.Config(build_app(state, names, site, options.escape_special_tokens), host=host, port=port,
+                                log_level=third_party_level(log_level), lifespan="on", http=protocol_class(conns),
+                                backlog=listen_backlog(conns.limits.max_connections), timeout_graceful_shutdown=5,
+                                server_header=False)
         RelayServer(config, state).run()
     finally:
         engine.close()

@@ -9,8 +9,16 @@ before (a launched server shares the trainer's).
 
 Names and shapes are read from the files' headers and checked against the served model before any tensor is
 loaded, so a wrong or oversized checkpoint is refused whole, costs no memory, and never leaves the engine
-half-updated. A load failure answers SGLang's `{"success": false, "message"}` with 400; the message names
-the folder and the file, never a library's exception text (that goes to the server log).
+half-updated. Once loaded, every tensor is checked again (`check_tensors`: a known name, the served shape, a
+floating dtype for a floating parameter, every value finite) before any of it reaches the engine: one NaN
+would make every later forward NaN, and the old weights must keep serving.
+
+LoRA adapters (`M.lora_A`, `M.lora_B`, `M.lora_scaling`: relayrl.trainer.lora's wire format) are accepted for any
+linear layer M of the served model, checked the same way (shapes against M.weight, every layer whole), and merged
+into a copy of the base weights as a local engine merges them. The server needs no LoRA setting: rank and scaling
+travel in the tensors themselves. A load failure answers SGLang's
+`{"success": false, "message"}` with 400; the message names the folder and the file, never a library's
+exception text (that goes to the server log).
 """
 
 from __future__ import annotations
@@ -19,14 +27,17 @@ import asyncio
 import logging
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from relayrl.serve.errors import ApiError, BadRequest
 from relayrl.serve.limits import INT64, number
+from relayrl.trainer.lora import adapter_set_error, adapter_shape_error, is_adapter_name
 
 log = logging.getLogger("relayrl.serve")
 _NUMERIC = re.compile(r"^\d{1,18}$")
@@ -90,19 +101,56 @@ def load_checked(model_state: dict[str, Any], root: Path, folder: Path, shown: s
         raise BadRequest("model_path", f"no .safetensors files in {shown}")
     headers = _headers(files, root, shown)
     for name, (f, shape) in headers.items():
-        if name not in model_state:
+        if is_adapter_name(name):
+            if bad := adapter_shape_error(name, shape, model_state):
+                raise BadRequest("model_path", f"{f.name}: {name}: {bad}")
+        elif name not in model_state:
             raise BadRequest("model_path", f"{f.name}: the served model has no parameter {name!r}")
-        if shape != tuple(model_state[name].shape):
+        elif shape != tuple(model_state[name].shape):
             raise BadRequest("model_path", f"{f.name}: {name} has shape {list(shape)}, the served model "
                              f"{list(model_state[name].shape)}")
+    if bad := adapter_set_error({name: shape for name, (_, shape) in headers.items()}):
+        raise BadRequest("model_path", f"{shown}: {bad}")
     tensors: dict[str, Any] = {}
     for f in sorted({f for f, _ in headers.values()}):
         try:
-            tensors.update(load_file(str(f)))
+            loaded = load_file(str(f))
         except Exception as e:
             log.warning("update_weights_from_disk: cannot load %s: %s: %s", f, type(e).__name__, e)
             raise BadRequest("model_path", f"{f.name} in {shown} could not be loaded") from None
+        check_tensors(loaded.items(), model_state, "model_path", where=f"{f.name}: ")
+        tensors.update(loaded)
     return tensors
+
+
+def check_tensors(named: Iterable[tuple[str, torch.Tensor]], served: dict[str, torch.Tensor], field: str,
+                  where: str = "") -> None:
+    """BadRequest naming the first tensor that is not a served parameter, has another shape, a dtype that cannot
+    hold it (an integer or bool tensor for a floating parameter), or a value that is NaN or infinite. `where`:
+    the tensors' source (a file) for the message; without it the field is indexed (`names[3]`)."""
+    for i, (name, tensor) in enumerate(named):
+        bad = _tensor_error(name, tensor, served)
+        if bad:
+            raise BadRequest(field if where else f"{field}[{i}]", f"{where}{name}: {bad}")
+
+
+def _tensor_error(name: str, tensor: torch.Tensor, served: dict[str, torch.Tensor]) -> str | None:
+    if is_adapter_name(name):  # a LoRA adapter's part, merged into its layer (relayrl.trainer.lora)
+        if bad := adapter_shape_error(name, tuple(tensor.shape), served):
+            return bad
+        if not tensor.is_floating_point():
+            return f"dtype {str(tensor.dtype)[6:]}: an adapter is floating point"
+    else:
+        target = served.get(name)
+        if target is None:
+            return "the served model has no such parameter"
+        if tuple(tensor.shape) != tuple(target.shape):
+            return f"shape {list(tensor.shape)}, the served model {list(target.shape)}"
+        if target.is_floating_point() != tensor.is_floating_point():
+            return f"dtype {str(tensor.dtype)[6:]}, the served model {str(target.dtype)[6:]}"
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        return "holds NaN or infinite values; the served weights are kept"
+    return None
 
 
 async def update_from_disk(body: dict[str, Any], state: Any) -> tuple[int, dict[str, Any]]:

@@ -6,7 +6,9 @@
 - POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache, weight_version,
   abort_all_requests}: receive one broadcast per tensor from rank 0, in the order of `names`, then load
   them all at once at a token boundary (the same `LocalEngine.update_weights` as /update_weights_from_disk,
-  so a failed or partial transfer never leaves the engine half-updated) and bump the weight version.
+  LoRA adapters included and merged, so a failed or partial transfer never leaves the engine half-updated)
+  and bump the weight version. The received tensors are checked first (`weights_disk.check_tensors`: NaN or
+  infinite values, a dtype that cannot hold the parameter): a bad update is a 400 and the old weights keep serving.
 - POST /destroy_weights_update_group {group_name}.
 
 Answers are SGLang's {"success", "message"}: 200 on success, 400 otherwise (503 when the server shuts
@@ -32,7 +34,8 @@ from fastapi.responses import JSONResponse
 from relayrl.serve.errors import BadRequest, log_error
 from relayrl.serve.limits import number
 from relayrl.serve.state import ServerState
-from relayrl.serve.weights_disk import weight_version
+from relayrl.serve.weights_disk import check_tensors, weight_version
+from relayrl.trainer.lora import adapter_set_error, adapter_shape_error, is_adapter_name
 from relayrl.weights.weight_group import DEFAULT_GROUP, WeightGroup, on_daemon_thread, parse_dtype
 
 DEFAULT_TIMEOUT = 600.0
@@ -114,7 +117,8 @@ def parse_update(body: dict[str, Any], state: ServerState) -> list[Spec]:
     dtypes, shapes = _listed(body, "dtypes", len(names)), _listed(body, "shapes", len(names))
     specs, seen = [], set()
     for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes)):
-        if not isinstance(name, str) or name not in served:
+        adapter = isinstance(name, str) and is_adapter_name(name)  # LoRA: see weights_disk
+        if not isinstance(name, str) or (name not in served and not adapter):
             raise BadRequest(f"names[{i}]", f"the served model has no parameter {name!r}")
         if name in seen:
             raise BadRequest(f"names[{i}]", f"{name!r} is listed twice")
@@ -125,9 +129,14 @@ def parse_update(body: dict[str, Any], state: ServerState) -> list[Spec]:
             raise BadRequest(f"dtypes[{i}]", str(e)) from None
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
             raise BadRequest(f"shapes[{i}]", f"must be a list of integers, got {shape!r}")
-        if tuple(shape) != tuple(served[name].shape):
+        if adapter:
+            if bad := adapter_shape_error(name, tuple(shape), served):
+                raise BadRequest(f"shapes[{i}]", f"{name}: {bad}")
+        elif tuple(shape) != tuple(served[name].shape):
             raise BadRequest(f"shapes[{i}]", f"{shape} != the served {name!r} {list(served[name].shape)}")
         specs.append((name, dt, tuple(shape)))
+    if bad := adapter_set_error({name: shape for name, _, shape in specs}):
+        raise BadRequest("names", bad)
     return specs
 
 
@@ -196,6 +205,10 @@ def weight_routes(state: ServerState) -> list[Route]:
             rid = log_error("POST /update_weights_from_distributed", e)
             return _answer(False, f"receiving the weights failed, group {name!r} dropped (request id {rid}; details "
                                   "are in the server log)", weight_version=state.engine.version)
+        try:  # a transfer that completed leaves the group in step: only this update is refused
+            await asyncio.to_thread(check_tensors, tensors, state.engine.model.state_dict(), "names")
+        except BadRequest as e:
+            return _answer(False, str(e), weight_version=state.engine.version)
         await asyncio.to_thread(state.engine.update_weights, tensors, version)
         if body.get("flush_cache", True):
             await asyncio.to_thread(state.engine.flush_cache)

@@ -9,7 +9,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from relayrl.tools.sandbox import SandboxMode, check_sandbox, run_python
+from relayrl.common.utils import InputError
+from relayrl.tools.sandbox import SandboxMode, check_sandbox, run_python, set_max_concurrent
 
 
 class ToolError(Exception):
@@ -124,9 +125,16 @@ def calculator_tool() -> Tool:
 
 
 def python_tool(timeout: float = 5.0, memory_mb: int = 512, max_output: int = 2048,
-                sandbox: SandboxMode = "auto") -> Tool:
+                sandbox: SandboxMode = "auto", max_concurrent: int | None = None) -> Tool:
     """The python tool. `sandbox` (auto | bwrap | none) is checked here, at agent construction: `auto`/`bwrap`
-    raise SandboxUnavailable where no sandbox can start, `none` (unsandboxed) warns loudly."""
+    raise SandboxUnavailable where no sandbox can start, `none` (unsandboxed) warns loudly. `max_concurrent`
+    (agent.kwargs.tool_options.python.max_concurrent) sets the process-wide cap on sandboxes running at once;
+    unset keeps relayrl.tools.sandbox.DEFAULT_MAX_CONCURRENT."""
+    if max_concurrent is not None:
+        try:
+            set_max_concurrent(max_concurrent)
+        except ValueError as e:
+            raise InputError(f"agent.kwargs.tool_options.python.max_concurrent: {e}") from None
     check_sandbox(sandbox)
     return Tool("python", "Run a Python script and return what it prints (no network, no files outside a "
                           "scratch folder, limited time and memory).",

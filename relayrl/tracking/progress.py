@@ -4,7 +4,7 @@ A tqdm bar redraws itself with carriage returns; in a log file or a job schedule
 noise, and a disabled bar says nothing at all. So where stderr is not a terminal each step prints one flushed
 line instead: `step 3/30 | 0:01:12 elapsed | ETA 0:09:40 | reward 0.41 | pass 38.0% | ...`, which `tail -f`
 and `grep` read. The run's start block (model, data, where outputs go) is printed once before the first step;
-its first line, the precision line, is printed by relayrl/run/build.py `resolve_precision` before the models
+its first line, the precision line, is printed by relayrl/run/precision.py `resolve_precision` before the models
 load, so it is not repeated here.
 """
 

@@ -10,6 +10,7 @@ weights, not the micro-batch sizes, decide the aggregation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -241,6 +242,78 @@ def behav_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, lengths: li
     return w, capped
 
 
+# ---- rollout correction: the engine/trainer mismatch ------------------------------------------
+# a sequence ratio is a sum of logs; past exp(+-20) it is reported (and truncated) at that value, while the bounds
+# and the veto compare the exact logs
+LOG_RATIO_LIMIT = 20.0
+
+
+@dataclass
+class Correction:
+    """The rollout correction of a batch: weights pi_trainer / pi_engine per trained token, and what the veto and
+    the bounds did (tokens of a vetoed sample count as vetoed only, not also as truncated or masked)."""
+
+    weight: torch.Tensor  # per token, after the veto and the bounds: multiplies the token's policy loss
+    ratio: torch.Tensor  # per token, before them (level sequence: its sequence's ratio on every token)
+    truncated: torch.Tensor  # per token: the weight was moved to a bound
+    masked: torch.Tensor  # per token: the weight was set to 0 by a bound
+    vetoed: torch.Tensor  # per sequence: a token ratio fell below the veto, every token of it weighs 0
+
+    def stats(self, token_share: float, sample_share: float) -> dict[str, float]:
+        """Diagnostics as this part's shares of batch means (token_share: 1 / trained tokens of the batch,
+        sample_share: 1 / its samples), so parts add up in `reduce_stats` as the loss's diagnostics do."""
+        r = self.ratio
+        return {"rollout_is_mean": float(r.sum()) * token_share,
+                "rollout_is_min": float(r.min()) if r.numel() else 1.0,
+                "rollout_is_max": float(r.max()) if r.numel() else 1.0,
+                "rollout_is_truncated_frac": float(self.truncated.sum()) * token_share,
+                "rollout_is_masked_frac": float(self.masked.sum()) * token_share,
+                "rollout_is_vetoed_frac": float(self.vetoed.sum()) * sample_share}
+
+
+def rollout_correction(trainer_logp: torch.Tensor, behav_logp: torch.Tensor, lengths: list[int], *,
+                       level: str = "token", mode: str = "truncate", upper: float = 2.0, lower: float | None = None,
+                       veto: float | None = None) -> Correction:
+    """Importance weights between the trainer's logprobs (pi_old, or decoupled PPO's pi_prox) and the engine's
+    (pi_behav) of the tokens the engine sampled.
+
+    In this order: (1) log r_t = log pi_trainer - log pi_behav per token; level "sequence" gives every token of a
+    sequence the sum of its log ratios, a product of ratios (not decoupled PPO's geometric mean: the product is
+    the sequence's true likelihood ratio). (2) veto: a sequence with any token ratio r_t < veto weighs 0 on
+    every token. (3) bounds: mode "truncate" moves weights outside [lower, upper] to the bound, "mask" sets them
+    to 0 (lower None: no lower bound). Weights of 0 still count in the loss's token-mean denominator, so they
+    shrink the gradient rather than renormalise it, as decoupled PPO's mask does.
+    """
+    if level not in ("token", "sequence"):
+        raise ValueError(f"unknown rollout-correction level {level!r} (expected token or sequence)")
+    if mode not in ("truncate", "mask"):
+        raise ValueError(f"unknown rollout-correction mode {mode!r} (expected truncate or mask)")
+    log_r = (trainer_logp - behav_logp).double()
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
+    log_w = log_r
+    if level == "sequence":
+        log_w = torch.zeros(len(lengths), dtype=log_r.dtype).index_add_(0, seq, log_r)[seq]
+    vetoed = torch.zeros(len(lengths), dtype=torch.bool)
+    if veto is not None:
+        vetoed = torch.zeros(len(lengths)).index_add_(0, seq, (log_r < math.log(veto)).float()) > 0
+    vetoed_tok = vetoed[seq]
+    out = (log_w > math.log(upper)) | ((log_w < math.log(lower)) if lower is not None else False)
+    ratio = torch.exp(log_w.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    if mode == "truncate":
+        weight, truncated, masked = ratio.clamp(min=lower, max=upper), out & ~vetoed_tok, torch.zeros_like(out)
+    else:
+        weight, truncated, masked = ratio.masked_fill(out, 0.0), torch.zeros_like(out), out & ~vetoed_tok
+    weight = weight.masked_fill(vetoed_tok, 0.0)
+    dtype = trainer_logp.dtype
+    return Correction(weight.to(dtype), ratio.to(dtype), truncated, masked, vetoed)
+
+
+def mismatch_kl(behav_logp: torch.Tensor, trainer_logp: torch.Tensor) -> torch.Tensor:
+    """Per token, the k3 estimate of KL(pi_behav || pi_trainer) from the engine's own samples: r - 1 - log r with
+    r = pi_trainer / pi_behav, >= 0 and 0 only where the two agree."""
+    return kl_estimate(behav_logp, trainer_logp, "k3")
+
+
 # ---- policy loss ------------------------------------------------------------------------------
 @dataclass
 class LossInputs:
@@ -251,7 +324,7 @@ class LossInputs:
     weights: torch.Tensor  # loss weights (see token_weights)
     stat_weight: float  # 1 / trained tokens in the whole batch: diagnostics are plain token means
     ref_logp: torch.Tensor | None = None
-    behav_weight: torch.Tensor | None = None  # decoupled PPO: pi_prox / pi_behav per token (capped)
+    behav_weight: torch.Tensor | None = None  # pi_prox / pi_behav per token, bounded (rollout correction or decoupled)
     seq_lengths: list[int] | None = None  # trained tokens per sequence, in order (ratio_level="sequence")
 
 
@@ -266,9 +339,11 @@ def policy_loss(logp: torch.Tensor, entropy: torch.Tensor | None, inp: LossInput
     """PPO clipped surrogate with separate low/high clip, plus optional KL-to-reference and entropy terms.
 
     Per token: l = -w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) + kl_coef * KL - ent_coef * H,
-    r = exp(logp - old_logp), w the decoupled-PPO behaviour weight (1 if not decoupled; then old_logp
-    is the proximal policy). Returns (sum(weights * l), diagnostics); diagnostics are this
-    micro-batch's share of batch-wide token means, so the caller just adds them up.
+    r = exp(logp - old_logp), w the behaviour weight: the rollout correction's when it is on, else decoupled PPO's
+    pi_prox / pi_behav, else 1. old_logp is the trainer's policy before this step (decoupled PPO's pi_prox), so
+    the clip keeps the update near what the trainer computed, and w moves the engine's samples onto it. Returns
+    (sum(weights * l), diagnostics); diagnostics are this micro-batch's share of batch-wide token means, so the
+    caller just adds them up.
 
     ratio_level "sequence" is GSPO (in its GSPO-token form): every token's ratio has the value of its
     sequence's geometric-mean ratio s = exp(mean_t(logp - old_logp)) and the gradient s * grad(logp_t),
@@ -334,12 +409,17 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
 
 def reduce_stats(parts: list[dict[str, float]], *, mean: bool) -> dict[str, float]:
-    """Combine diagnostics of several micro-batches or updates: keys ending in '_max' take the max,
-    the others are summed (micro-batch shares of a batch value) or averaged (one value per update)."""
+    """Combine diagnostics of several micro-batches or updates: keys ending in '_max' ('_min') take the max
+    (min), the others are summed (micro-batch shares of a batch value) or averaged (one value per update)."""
     out: dict[str, float] = {}
     for part in parts:
         for k, v in part.items():
-            out[k] = max(out.get(k, v), v) if k.endswith("_max") else out.get(k, 0.0) + v
+            if k.endswith("_max"):
+                out[k] = max(out.get(k, v), v)
+            elif k.endswith("_min"):
+                out[k] = min(out.get(k, v), v)
+            else:
+                out[k] = out.get(k, 0.0) + v
     if mean and parts:
-        out = {k: v if k.endswith("_max") else v / len(parts) for k, v in out.items()}
+        out = {k: v if k.endswith(("_max", "_min")) else v / len(parts) for k, v in out.items()}
     return out

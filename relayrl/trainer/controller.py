@@ -15,6 +15,7 @@ import torch
 
 from relayrl.config.schema import AlgoConfig, TrainConfig
 from relayrl.sample import Sample
+from relayrl.trainer import routing
 from relayrl.trainer.algo import (
     LossInputs,
     behav_weights,
@@ -23,9 +24,11 @@ from relayrl.trainer.algo import (
     explained_variance,
     gae,
     kl_estimate,
+    mismatch_kl,
     overlong_penalty,
     policy_loss,
     reduce_stats,
+    rollout_correction,
     shape_rewards,
     token_weights,
     turn_end_rewards,
@@ -55,6 +58,7 @@ class TrainController:
         self.schedule = LRSchedule(train.lr_schedule, warmup=train.warmup_steps, total=train.total_steps,
                                    min_ratio=train.min_lr_ratio)
         self._step_stats: dict[str, float] = {}  # advantage-side metrics of the batch being fitted
+        routing.enable(engine, algo.routing_replay)  # MoE: replay the engine's experts (relayrl.trainer.routing)
 
     # ---- high-level API ---------------------------------------------------------------------
     def fit(self, samples: list[Sample]) -> dict[str, float]:
@@ -68,7 +72,8 @@ class TrainController:
         batch = self.compute_ref_logprobs(batch)
         batch = self.compute_values(batch)
         batch = self.compute_advantages(batch)
-        metrics = self.train(batch) | dropped
+        routed = routing.routing_metrics(self.engine, batch)  # MoE batches only: before the update changes the router
+        metrics = self.train(batch) | dropped | routed
         metrics["time/train_s"] = time.perf_counter() - t0
         metrics["perf/train_tokens_per_s"] = sum(len(s.input_ids) for s in samples) / metrics["time/train_s"]
         return metrics
@@ -145,17 +150,42 @@ class TrainController:
             adv = [o - a.kl_coef * k for o, k in zip(adv, discounted_cumsum(kl, 1.0))]
         flat = whiten(torch.cat(adv), mean=a.adv_mean in ("batch", "group_batch"), std=a.adv_std == "batch")
         batch.per_token["advantages"] = list(flat.split(batch.lengths))
-        if a.decoupled and "old_logp" in batch.per_token:  # otherwise the loss weighs with its own forward's
-            w, capped = self._behav_weights(batch.flat("old_logp"), batch.flat("behav_logp"), batch.lengths)
-            batch.per_token["behav_weight"] = list(w.split(batch.lengths))
-            self._step_stats |= {"train/behav_weight_mean": float(w.mean()), "train/behav_weight_max": float(w.max()),
-                                 "train/behav_capped_frac": float(capped.float().mean())}
+        if "old_logp" in batch.per_token:  # otherwise the loss measures and weighs with its own forward's
+            old, behav = batch.flat("old_logp"), batch.flat("behav_logp")
+            self._step_stats["train/mismatch_kl"] = float(mismatch_kl(behav, old).mean())
+            if self.weighs_behaviour():
+                w, stats = self._behav_weights(old, behav, batch.lengths, 1.0 / max(1, len(old)),
+                                               1.0 / len(batch.samples))
+                batch.per_token["behav_weight"] = list(w.split(batch.lengths))
+                self._step_stats |= {f"train/{k}": v for k, v in stats.items()}
         return batch
 
-    def _behav_weights(self, prox: torch.Tensor, behav: torch.Tensor, lengths: list[int]):
+    def corrects_rollouts(self) -> bool:
+        """Whether algo.rollout_correction weighs tokens: "auto" is decided at start, where the engine and trainer
+        precisions are known (relayrl.run.precision.resolve_precision); one left in a controller built by hand is
+        off."""
+        return self.algo.rollout_correction.enabled is True
+
+    def weighs_behaviour(self) -> bool:
+        """Whether the loss weighs tokens by pi_prox / pi_behav: the rollout correction, or decoupled PPO's weight."""
+        return self.corrects_rollouts() or self.algo.decoupled
+
+    def _behav_weights(self, prox: torch.Tensor, behav: torch.Tensor, lengths: list[int], token_share: float,
+                       sample_share: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """The behaviour weight of each token and its diagnostics (shares of batch means, see Correction.stats).
+        With the rollout correction on it is the weight, decoupled PPO or not: both are pi_prox / pi_behav, and
+        applying two bounds to one ratio would weigh the same mismatch twice (docs/algorithms.md)."""
         a = self.algo
-        return behav_weights(prox, behav, lengths, cap=a.behav_weight_cap, mode=a.behav_weight_mode,
-                             level=a.behav_weight_level)
+        if self.corrects_rollouts():
+            c = a.rollout_correction
+            corr = rollout_correction(prox, behav, lengths, level=c.level, mode=c.mode, upper=c.upper, lower=c.lower,
+                                      veto=c.veto)
+            return corr.weight, corr.stats(token_share, sample_share)
+        w, capped = behav_weights(prox, behav, lengths, cap=a.behav_weight_cap, mode=a.behav_weight_mode,
+                                  level=a.behav_weight_level)
+        return w, {"behav_weight_mean": float(w.sum()) * token_share,
+                   "behav_weight_max": float(w.max()) if w.numel() else 0.0,
+                   "behav_capped_frac": float(capped.sum()) * token_share}
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         cfg = self.train_cfg
@@ -351,12 +381,14 @@ class TrainController:
         def loss_fn(mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor | None):
             seq_lengths = [batch.samples[i].num_trained_tokens for i in mb.sample_idx]
             behav, behav_w, extra = batch.gather("behav_logp", mb), batch.gather("behav_weight", mb), {}
-            if a.decoupled and behav_w is None:  # one update per batch: pi_prox is this forward's policy
-                behav_w, capped = self._behav_weights(logp.detach(), behav, seq_lengths)
-                extra = {"behav_weight_mean": float(behav_w.sum()) * stat_weight,
-                         "behav_weight_max": float(behav_w.max()) if behav_w.numel() else 0.0,
-                         "behav_capped_frac": float(capped.sum()) * stat_weight}
-            inp = LossInputs(old_logp=batch.gather("old_logp", mb), advantages=batch.gather("advantages", mb),
+            old = batch.gather("old_logp", mb)
+            if old is None:  # one update per batch: pi_old (pi_prox) is this forward's policy
+                extra["mismatch_kl"] = float(mismatch_kl(behav, logp.detach()).sum()) * stat_weight
+                if self.weighs_behaviour():
+                    behav_w, weight_stats = self._behav_weights(logp.detach(), behav, seq_lengths, stat_weight,
+                                                                1.0 / len(batch.samples))
+                    extra |= weight_stats
+            inp = LossInputs(old_logp=old, advantages=batch.gather("advantages", mb),
                              weights=batch.gather("weights", mb), stat_weight=stat_weight,
                              ref_logp=batch.gather("ref_logp", mb), behav_weight=behav_w, seq_lengths=seq_lengths)
             loss, stats = policy_loss(logp, entropy, inp, clip_low=a.clip_low, clip_high=a.clip_high,

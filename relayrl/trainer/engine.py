@@ -24,6 +24,7 @@ from relayrl.common.utils import checkpointing_on, training_floor, trim_memory
 from relayrl.models import fused, load_model
 from relayrl.models.attention import install as install_attention
 from relayrl.models.attention import segments_pay_off
+from relayrl.models.moe import Replay
 from relayrl.trainer import embedding
 from relayrl.trainer.algo import reduce_stats
 from relayrl.trainer.checkpointing import Saves, checkpoint_kwargs
@@ -32,6 +33,7 @@ from relayrl.trainer.lora import adapter_tensors, is_lora
 from relayrl.trainer.lora import wrap as wrap_lora
 from relayrl.trainer.optim import adamw
 from relayrl.trainer.packer import MicroBatch
+from relayrl.trainer.vision import pixel_inputs, with_images
 
 LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict[str, float]]]
 
@@ -69,6 +71,11 @@ class TrainEngine:
         # fused AdamW (one kernel per step, CPU and CUDA), or bf16 moments (relayrl.trainer.optim)
         self.optimizer = (adamw(params, state_dtype=optimizer_state_dtype, lr=lr, betas=betas,
                                 weight_decay=weight_decay) if params else None)
+        # MoE: forwards replay the engine's routed experts (algo.routing_replay; set by the TrainController)
+        self.routing_replay = False
+        self.last_replay: Replay | None = None  # the last forward's replay, with its agreement counts
+        self._replay: Replay | None = None  # the micro-step's, open through its backward
+        self.pixels = pixel_inputs(model)  # a vision-language policy's image processor (relayrl.trainer.vision)
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str = "float32", lora=None, device: str | torch.device | None = None,
@@ -81,32 +88,53 @@ class TrainEngine:
             model = wrap_lora(model, lora)
         return cls(model, **kwargs)
 
-    def logprobs(self, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False):
+    def logprobs(self, mb: MicroBatch, with_entropy: bool = False, entropy_grad: bool = False,
+                 replay: bool | None = None):
         """Logprobs of mb.targets under log_softmax(logits / temperature); entropy per token if asked.
 
         The LM head runs in chunks of rows (relayrl.trainer.logprobs), so [tokens x vocab] logits are
         never held whole, in training or in the old-policy and reference passes. Computed on the model's
-        device, returned on the CPU (module doc)."""
-        with bf16_autocast(self.device, self.autocast_bf16):
+        device, returned on the CPU (module doc). `replay`: whether an MoE forward uses the engine's routed
+        experts (None: self.routing_replay)."""
+        with bf16_autocast(self.device, self.autocast_bf16), self.replaying(mb, replay):
             logp, entropy = self._token_logprobs(mb.to(self.device), with_entropy, entropy_grad)
         return logp.cpu(), None if entropy is None else entropy.cpu()
 
     def _token_logprobs(self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool):
-        hidden = self.model.get_decoder()(**decoder_inputs(mb, self.segments)).last_hidden_state
+        inputs = decoder_inputs(mb, self.segments)
+        if mb.images is not None:  # a vision-language batch: the decoder takes merged embeddings
+            inputs = with_images(self.model, inputs, mb.images, self.pixels)
+        hidden = self.model.get_decoder()(**inputs).last_hidden_state
         return head_logprobs(self.model, hidden[mb.rows, mb.cols], mb.targets, self.temperature,
                              with_entropy, entropy_grad)
+
+    @contextlib.contextmanager
+    def replaying(self, mb: MicroBatch, replay: bool | None = None):
+        """Replay mb's routed experts in the forwards inside (relayrl.models.moe.Replay) when asked and recorded. A
+        micro-step keeps it open through its backward, which recomputes checkpointed layers: their routers must
+        choose as in the forward."""
+        if self._replay is not None:
+            yield
+            return
+        on = self.routing_replay if replay is None else replay
+        routes = mb.routed.flatten(0, 1) if on and mb.routed is not None else None
+        with Replay(self.model, routes) as self._replay:
+            try:
+                yield
+            finally:
+                self.last_replay, self._replay = self._replay, None
 
     def forward_logprobs_all(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         """forward_logprobs of every micro-batch of a batch (data-parallel engines share the work out)."""
         return [self.forward_logprobs(mb) for mb in mbs]
 
     @torch.no_grad()
-    def forward_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+    def forward_logprobs(self, mb: MicroBatch, replay: bool | None = None) -> torch.Tensor:
         """Logprobs without dropout (e.g. model.lora_dropout): old and reference logprobs must be deterministic."""
         training = self.model.training
         self.model.eval()
         try:
-            return self.logprobs(mb)[0]
+            return self.logprobs(mb, replay=replay)[0]
         finally:
             self.model.train(training)
 
@@ -144,12 +172,13 @@ class TrainEngine:
         the trims"). So the trims come with checkpointing, the setting that
         already trades time for memory; without it the fit keeps its heap."""
         trim = self.device.type == "cpu" and self.gradient_checkpointing  # a GPU's activations are not in the heap
-        with weight_grad_into_param():  # loss.backward() below: the head may write weight.grad itself
-            logp, entropy = self.logprobs(mb, with_entropy, entropy_grad)
-        loss, mb_stats = loss_fn(mb, logp, entropy)
-        if trim:
-            trim_memory()
-        loss.backward()
+        with self.replaying(mb):
+            with weight_grad_into_param():  # loss.backward() below: the head may write weight.grad itself
+                logp, entropy = self.logprobs(mb, with_entropy, entropy_grad)
+            loss, mb_stats = loss_fn(mb, logp, entropy)
+            if trim:
+                trim_memory()
+            loss.backward()
         if trim:
             trim_memory()
         return mb_stats

@@ -17,7 +17,10 @@ A step whose ranks hold different batches is refused before any collective runs.
 Weight sync: `named_parameters()` gathers one parameter at a time (an all-gather of its shards), so
 no rank holds more than one full parameter beyond its shard. Every rank must iterate it (it is a
 collective); ranks other than 0 get nothing by default, so followers run
-`for _ in engine.named_parameters(): pass` once per pass that rank 0 makes (one per rollout engine).
+`for _ in engine.named_parameters(): pass` once per pass that rank 0 makes (one per rollout engine). A LoRA policy
+(model.lora_rank > 0) is sharded like any other, frozen base and adapters alike, and gathers only its adapters
+(relayrl.trainer.lora.adapter_tensors): they are all a sync sends, and the export merges them into the base read
+from model.path (Components.save_model).
 
 Plugging in: `relayrl train ... train.engine=fsdp train.world_size=N` starts N processes with torchrun
 (relayrl.cli), rank 0 builds the whole run and the other ranks only their trainer shard (relayrl.run.build), and
@@ -45,6 +48,7 @@ from relayrl.models.attention import segments_pay_off
 from relayrl.trainer.algo import reduce_stats
 from relayrl.trainer.checkpointing import Saves, checkpoint_kwargs
 from relayrl.trainer.engine import LossFn, TrainEngine, decoder_inputs, head_logprobs
+from relayrl.trainer.lora import adapter_tensors, is_lora
 from relayrl.trainer.packer import MicroBatch, balance_ranks
 
 
@@ -118,6 +122,9 @@ class FSDPEngine(TrainEngine):
 
     # ---- forward ------------------------------------------------------------------------------
     def _token_logprobs(self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool):
+        if mb.images is not None:  # the sharded root's forward takes token ids only (docs/design.md, VLM limits)
+            raise ValueError("train.engine=fsdp does not take images yet: train a vision-language policy with "
+                             "train.engine=local")
         return self.root(mb, self.temperature, with_entropy, entropy_grad)
 
     # ---- training -----------------------------------------------------------------------------
@@ -179,6 +186,11 @@ class FSDPEngine(TrainEngine):
         With rank0_only, other ranks take part in the gathers but get nothing, so they hold at most one
         full parameter beyond their shard only while it is being gathered.
         """
+        if is_lora(self.model):  # LoRA: only the adapters travel (and are saved), gathered the same way
+            for name, t in adapter_tensors(self.model):
+                if self.rank == 0 or not rank0_only:
+                    yield name, t
+            return
         for name, p in self.model.named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             if self.rank == 0 or not rank0_only:

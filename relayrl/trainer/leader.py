@@ -62,10 +62,11 @@ class LeaderController:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.engine.named_parameters())
 
-    def save_checkpoint(self, folder: Path) -> None:
-        """Every rank writes its shard of the policy and its optimizer into `folder` (shared by all ranks)."""
+    def save_checkpoint(self, folder: Path) -> list[dict]:
+        """Every rank writes its shard of the policy and its optimizer into `folder` (shared by all ranks).
+        Returns every rank's generators (relayrl.trainer.shards.save_shards)."""
         _send("save", str(folder))
-        save_shards(self._ctl, folder)
+        return save_shards(self._ctl, folder)
 
     def load_checkpoint(self, folder: Path) -> None:
         """Every rank loads its slice of a sharded checkpoint's trainer state."""

@@ -12,10 +12,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from relayrl.models.moe import NO_ROUTE
 from relayrl.models.segments import SegmentLayout, segment_layout
 from relayrl.sample import Sample
+from relayrl.trainer.vision import RowImages, prompt_key, row_images
 
 
 @dataclass
@@ -29,6 +32,11 @@ class MicroBatch:
     position_ids: torch.Tensor | None = None  # [rows, L] when rows hold several sequences
     real_tokens: int = 0  # non-padding positions (each shared prompt counted once)
     layout: SegmentLayout | None = None  # shared-prompt rows: attention without the dense mask (models.segments)
+    # MoE samples' routed experts [rows, L, MoE layers, k] laid out as input_ids (NO_ROUTE where none is recorded:
+    # padding, a row's last token); the forward replays them under algo.routing_replay (relayrl.trainer.routing)
+    routed: torch.Tensor | None = None
+    # vision-language samples: each row's prompt tokens and images (relayrl.trainer.vision); None: no images
+    images: RowImages | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -107,9 +115,9 @@ class Packer:
         """Sample indices per row: one sample per row, or same-prompt samples up to `row_tokens`."""
         if not self.share_prompt:
             return [[i] for i in range(len(samples))]
-        by_prompt: dict[tuple[int, ...], list[int]] = {}
+        by_prompt: dict[tuple, list[int]] = {}
         for i, s in enumerate(samples):
-            by_prompt.setdefault(tuple(s.prompt_ids), []).append(i)
+            by_prompt.setdefault(prompt_key(s), []).append(i)  # same tokens and same images
         rows: list[list[int]] = []
         for idx in by_prompt.values():
             row: list[int] = []
@@ -161,7 +169,34 @@ class Packer:
         return MicroBatch(order, input_ids, mask, torch.tensor(r_idx, dtype=torch.long),
                           torch.tensor(cols, dtype=torch.long), torch.tensor(targets, dtype=torch.long),
                           positions if shared else None, int((segment >= 0).sum()),
-                          segment_layout(prompt_lens, spans, width) if shared else None)
+                          segment_layout(prompt_lens, spans, width) if shared else None,
+                          routed_layout(samples, rows, width), row_images(samples, rows))
+
+
+def routed_layout(samples: list[Sample], rows: list[list[int]], width: int) -> torch.Tensor | None:
+    """The samples' routed experts where their tokens sit in the rows (as `_micro_batch` lays them out): a shared
+    prompt's from the row's first sample (group members share its prefill in the engine), each response's from its
+    own sample. None when no sample has any (a dense model)."""
+    have = [samples[i].routed_experts for row in rows for i in row if samples[i].routed_experts is not None]
+    if not have:
+        return None
+    out = torch.full((len(rows), width, *have[0].shape[1:]), NO_ROUTE, dtype=torch.int16)
+    for r, row in enumerate(rows):
+        p = len(samples[row[0]].prompt_ids)
+        _put(out[r, :p], samples[row[0]].routed_experts, 0)
+        start = p
+        for i in row:
+            n = len(samples[i].response_ids)
+            _put(out[r, start: start + n], samples[i].routed_experts, p)
+            start += n
+    return out
+
+
+def _put(dst: torch.Tensor, routed: np.ndarray | None, first: int) -> None:
+    """dst[j] = routed[first + j] where recorded (an engine call records all but its last position)."""
+    if routed is not None:
+        part = routed[first: first + dst.shape[0]]
+        dst[: part.shape[0]] = torch.from_numpy(part.astype(np.int16))
 
 
 def _row_len(samples: list[Sample], row: list[int]) -> int:

@@ -251,3 +251,24 @@ def test_host_weights_for_a_bf16_cuda_engine_are_rounded_on_the_gpu(tiny_path, m
         assert eng.version == 1 and eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4))[0].output_ids
     finally:
         eng.close()
+
+
+def test_a_run_on_a_launched_relayrl_serve_on_cuda(tiny_path, tmp_path):
+    """engine.launch=relayrl with engine.server_args=[--device, cuda]: the run starts its own `relayrl serve` on the
+    GPU (`--device`), trains two steps on the GPU beside it and sends it the new weights from disk."""
+    from conftest import tiny_run_args, write_sums
+
+    from relayrl.config.schema import load_run_config
+    from relayrl.run.build import build
+    from relayrl.run.loop import train_colocated
+
+    over = {"run.device": "cuda", "run.steps": 2, "sampling.max_new_tokens": 6, "engine.kind": "remote",
+            "engine.launch": "relayrl", "engine.server_args": "[--device, cuda]"}
+    data = write_sums(tmp_path / "d.jsonl", 8)
+    c = build(load_run_config(None, tiny_run_args(tiny_path, data, tmp_path, **over)))
+    try:
+        assert "--device" in c.servers[0].cmd and " on cuda (" in c.servers[0].log_tail()  # its start line
+        train_colocated(c)
+        assert c.train_ctl.version == 2 and c.rollout_ctl.engines[0].refresh_version() == 2
+    finally:
+        c.close()

@@ -172,8 +172,6 @@ def test_data_state_round_trips_with_requeued_prompts():
     ({"run.checkpoint_every": -1}, "run.checkpoint_every: must be >= 0"),
     ({"run.keep_checkpoints": 0}, "run.keep_checkpoints: must be >= 1"),
     ({"run.resume": "/nonexistent/run"}, "run.resume: '/nonexistent/run' is not a folder"),
-    ({"run.checkpoint_every": 1, "scheduler.mode": "async", "scheduler.placement": "separate"},
-     "run.checkpoint_every: checkpoints are not supported with scheduler.placement=separate"),
 ])
 def test_checkpoint_config_errors_name_the_key(tiny_path, data, tmp_path, bad, message):
     with pytest.raises(ConfigError, match=message):

@@ -102,3 +102,24 @@ def test_in_the_judge_a_timeout_costs_only_its_batch_and_none_only_its_term(prox
         assert sum(p in a for a in asked) == 2, asked
     for p in prompts[:2]:  # the slow batch: helpful asked; strict too unless the batch was over before its turn
         assert 1 <= sum(p in a for a in asked) <= 2, asked
+
+
+def test_the_concurrency_limit_holds_across_the_judge_workers(proxy):
+    """Three workers score three batches of 2 at once; `concurrency=2` bounds the requests in flight of all of
+    them together (relayrl/judge/slots.py), not 2 per worker (6)."""
+    proxy.hold = 0.3
+    settings = {"name": "limited", "model": "tiny", "template": mrt.TEMPLATE, "base_url": proxy.url,
+                "max_tokens": 4, "concurrency": 2, "cache": False}
+    rows = [{"prompt": p, "answer": a} for p, a in zip(PROMPTS, ANSWERS)]
+    with Judge("relayrl.judge.models:llm_reward", {"llm_judge": settings}, workers=3, batch_size=2,
+               timeout=60) as judge:
+        judge.start()
+        judge.wait_ready()
+
+        async def main():
+            return await asyncio.gather(*(judge.score(c, row, str(i)) for i, (c, row) in
+                                          enumerate(zip(COMPLETIONS, rows))))
+        out = asyncio.run(main())
+    assert judge.batches.batch_sizes == [2, 2, 2]
+    assert [reward for reward, _, _ in out] == [7.0] * 6 and len(proxy.bodies) == 6
+    assert proxy.peak == 2

@@ -208,8 +208,10 @@ def test_separate_placement_relays_adapters(tiny_path, tmp_path, transport):
     (["model.lora_rank=-1"], "model.lora_rank: must be >= 0"),
     (["model.lora_dropout=1.0"], "model.lora_dropout: must be in [0, 1)"),
     (["model.lora_rank=8", "model.lora_target_modules=[]"], "model.lora_target_modules: must name"),
-    (["model.lora_rank=8", "train.engine=fsdp", "train.optimizer_state_dtype=float32"], "train.engine: LoRA"),
-    (["model.lora_rank=8", "engine.kind=remote", "engine.launch=relayrl"], "engine.kind: LoRA"),
+    (["model.lora_rank=8", "engine.kind=remote", "engine.launch=sglang", "engine.backend=sglang"],
+     "engine.launch: LoRA (model.lora_rank > 0) with launch=sglang is not supported"),
+    (["model.lora_rank=600", "engine.kind=remote", "engine.launch=vllm", "engine.backend=vllm"],
+     "model.lora_rank: vLLM serves LoRA adapters up to rank 512, got 600"),
 ])
 def test_config_errors_name_their_keys(bad, message, capsys):
     assert main(["train", "--config", "examples/arithmetic_grpo.yaml", *bad]) == 2

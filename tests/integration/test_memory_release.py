@@ -9,8 +9,9 @@ from relayrl.config.schema import load_run_config
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.models import load_model
-from relayrl.run.build import build, resolve_precision, shares_weights
+from relayrl.run.build import build, shares_weights
 from relayrl.run.loop import train_colocated
+from relayrl.run.precision import resolve_precision
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
 

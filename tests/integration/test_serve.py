@@ -290,7 +290,7 @@ def test_bad_requests_are_400_naming_the_field(url):
         r = post(url, path, body)
         assert r.status_code == 400, (path, body, r.text)
         assert field in r.json()["error"]["message"], (path, body, r.text)
-    r = httpx.post(url + "/generate", content=b"{not json", timeout=10)
+    r = httpx.post(url + "/generate", content=b"{not json", headers={"Content-Type": "application/json"}, timeout=10)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     assert httpx.get(url + "/health_generate").status_code == 200  # nothing reached (or broke) the batch
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "benchmarks.md"
-MAX_LINES = 750
+MAX_LINES = 850
 
 
 def _text() -> str:

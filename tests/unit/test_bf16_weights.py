@@ -11,11 +11,13 @@ import torch
 from engines_for_tests import rollout
 
 import relayrl.run.build as build
+import relayrl.run.precision as precision
 from relayrl.common import hardware
 from relayrl.config.loader import ConfigError
 from relayrl.config.schema import AlgoConfig, TrainConfig, load_run_config
 from relayrl.models import load_model, stored_parameters
-from relayrl.run.build import _memory_plan, resolve_precision
+from relayrl.run.build import _memory_plan
+from relayrl.run.precision import resolve_precision
 from relayrl.trainer import optim
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
@@ -141,7 +143,7 @@ def test_a_run_resolves_auto_from_the_parameters_its_folder_stores(tiny_path, mo
     monkeypatch.setattr(hardware, "bf16_support", lambda device="cpu": hardware.Bf16Support(True, "simulated"))
     cfg = resolve_precision(load_run_config(None, [f"model.path={tiny_path}"]))
     assert cfg.model.train_dtype == "float32"  # a tiny model on this machine
-    monkeypatch.setattr(build, "device_memory_bytes", lambda device: 16 * n)  # a device the fp32 floor fills
+    monkeypatch.setattr(precision, "device_memory_bytes", lambda device: 16 * n)  # a device the fp32 floor fills
     cfg = resolve_precision(load_run_config(None, [f"model.path={tiny_path}"]))
     assert cfg.model.train_dtype == "bfloat16" and cfg.engine.dtype == "bfloat16"
     assert "trainer bfloat16 weights" in capsys.readouterr().out

@@ -12,7 +12,7 @@ from bounds import bound
 
 from relayrl.common import hardware
 from relayrl.config.schema import load_run_config
-from relayrl.run.build import resolve_precision
+from relayrl.run.precision import resolve_precision
 
 PROBE = "from relayrl.common.hardware import resolve_dtype; print(resolve_dtype('auto')[0])"
 

@@ -35,6 +35,7 @@ LATE = {
     # torch/transformers load in the judge worker on its first batch (an LLM judge's workers never load them)
     "relayrl.judge.models": {"torch", "transformers"},
     "relayrl.envs.textarena": {"textarena"},  # the envs extra, in a try at module top: its absence names the extra
+    "relayrl.sample": {"numpy"},  # annotations only: the sandbox's interpreter imports relayrl without numpy
 }
 
 

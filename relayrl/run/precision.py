@@ -1,0 +1,87 @@
+"""The run's numeric precision, resolved once at start-up from the config and the hardware: the engine's dtype, the
+trainer's weights and autocast, and whether the rollout correction is on (it is where the two sides' numerics
+differ). Each choice is printed once with its reason, and config.yaml records the resolved values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from relayrl.common.device import device_memory_bytes, resolve_device
+from relayrl.common.hardware import resolve_autocast, resolve_dtype, resolve_train_dtype
+from relayrl.config.schema import Config
+from relayrl.models import resolve_model_path, stored_parameters
+
+
+def resolve_precision(cfg: Config, quiet: bool = False) -> Config:
+    """engine.dtype "auto" -> bf16 where bf16 is native (unless model.autocast_bf16 is false on a CPU), else
+    float32; model.autocast_bf16 "auto" -> bf16 autocast in the trainer where bf16 is native (a bf16 GPU, a CPU
+    with AVX512-BF16 or AMX), on the run's device (run.device; relayrl.common.hardware). The choice and its
+    reason are printed once (the first line of the run's start block, relayrl/tracking/progress.py); config.yaml
+    records the resolved dtypes (run.device stays as set: "auto" resolves again where the run resumes)."""
+    device = resolve_device(cfg.run.device)
+    train_dtype, train_why = _train_dtype(cfg, device)
+    dtype, why = resolve_dtype(cfg.engine.dtype, device.type, cfg.model.autocast_bf16, train_dtype)
+    autocast = resolve_autocast(cfg.model.autocast_bf16, dtype, device.type)
+    if not quiet:
+        kv = "" if cfg.engine.kv_dtype in ("auto", dtype) else f" (KV cache {cfg.engine.kv_dtype})"
+        trainer = ("bfloat16 weights, gradients and moments (each update rounded stochastically)"
+                   if train_dtype == "bfloat16" else f"float32{' + bf16 autocast' if autocast else ''}")
+        print(f"precision: engine {dtype}{kv}, trainer {trainer} on {device} ({why}; trainer weights: {train_why})")
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, dtype=dtype),
+                              model=dataclasses.replace(cfg.model, autocast_bf16=autocast, train_dtype=train_dtype))
+    return resolve_rollout_correction(cfg, quiet)
+
+
+def resolve_rollout_correction(cfg: Config, quiet: bool = False) -> Config:
+    """algo.rollout_correction.enabled "auto" -> on wherever the engine's logprobs come from other numerics than the
+    trainer's (`precision_mismatch`), off where both compute in float32 in this process: there the two agree to
+    rounding (tests/unit/test_trainer.py) and a weight would only add noise. Said in one line after the precision
+    line; `cfg` has its dtypes resolved."""
+    c = cfg.algo.rollout_correction
+    mismatch = precision_mismatch(cfg)
+    on = bool(mismatch) if c.enabled == "auto" else c.enabled
+    if not quiet:
+        why = "set in the config"
+        if c.enabled == "auto":
+            why = "auto: " + (", ".join(mismatch) or "engine and trainer both compute in float32 in this process")
+        if c.lower is not None:
+            bounds = f"{'truncated to' if c.mode == 'truncate' else 'masked outside'} [{c.lower:g}, {c.upper:g}]"
+        else:
+            bounds = f"{'truncated at' if c.mode == 'truncate' else 'masked above'} {c.upper:g}"
+        veto = f", samples vetoed below {c.veto:g}" if c.veto is not None else ""
+        how = f": {c.level} ratios {bounds}{veto}" if on else ""
+        print(f"rollout correction: {'on' if on else 'off'} ({why}){how}")
+    return dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, rollout_correction=dataclasses.replace(
+        c, enabled=on)))
+
+
+def precision_mismatch(cfg: Config) -> list[str]:
+    """What makes the engine's logprobs differ from the trainer's beyond rounding order (empty: nothing): another
+    program computing them, or any half-precision part on either side. `cfg` has its dtypes resolved."""
+    e, m = cfg.engine, cfg.model
+    found = ["remote servers sample"] if e.kind == "remote" else []
+    if e.dtype != "float32":
+        found.append(f"a {e.dtype} engine")
+    if e.kv_dtype not in ("auto", "float32"):
+        found.append(f"a {e.kv_dtype} KV cache")
+    if m.train_dtype != "float32":
+        found.append(f"{m.train_dtype} trainer weights")
+    if m.autocast_bf16 or cfg.train.fsdp_mixed_precision:
+        found.append("bf16 matmuls in the trainer")
+    return found
+
+
+def _train_dtype(cfg: Config, device: torch.device) -> tuple[str, str]:
+    """model.train_dtype resolved (relayrl.common.hardware.resolve_train_dtype) from the parameters the model folder
+    stores, before any weight is read. LoRA trains small adapters and FSDP shards torch's AdamW: fp32 there."""
+    params = None
+    if cfg.model.train_dtype == "auto":
+        if cfg.model.lora_rank or cfg.train.engine != "local":
+            return "float32", "auto: fp32 for LoRA adapters and FSDP"
+        with contextlib.suppress(FileNotFoundError):  # an alias not prepared yet: small (SmolLM2), fp32
+            params = stored_parameters(resolve_model_path(cfg.model.path, prepare=False))
+    return resolve_train_dtype(cfg.model.train_dtype, device.type, params, device_memory_bytes(device))
