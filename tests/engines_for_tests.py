@@ -23,8 +23,8 @@ class RecordingController(RolloutController):
         super().__init__(engines)
         self.calls: dict[str, list] = {}
 
-    async def generate(self, input_ids, params, rid=None):
-        out = await super().generate(input_ids, params, rid)
+    async def generate(self, input_ids, params, rid=None, images=()):
+        out = await super().generate(input_ids, params, rid, images=images)
         self.calls.setdefault(rid, []).append((list(input_ids), out))
         return out
 

@@ -105,7 +105,8 @@ class EnvAgent(Agent):
             sample.prompt_ids = self._ids(first, opening=True)
         rewards: list[float | None] = []
         for turn in range(self.max_turns):
-            out = await self.rollout_ctl.generate(sample.input_ids, self.params_for(sample, turn), rid=sample.uid)
+            out = await self.rollout_ctl.generate(sample.input_ids, self.params_for(sample, turn), rid=sample.uid,
+                                                  images=tuple(sample.images))  # every turn sees the prompt's images
             sample.append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason, out.routed_experts)
             step = as_step(await self._call(env.step, (self.decode(out.output_ids),), "step"),
                            f"{self.short}.step")

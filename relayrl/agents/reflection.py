@@ -128,7 +128,8 @@ class ReflectionAgent(Agent):
                 if sample.response_ids[-1] != self.eot:  # cut at the token limit: close the turn as the template would
                     sample.append_context([self.eot])
                 sample.append_context(feedback)
-            out = await self.rollout_ctl.generate(sample.input_ids, self.params_for(sample, turn), rid=sample.uid)
+            out = await self.rollout_ctl.generate(sample.input_ids, self.params_for(sample, turn), rid=sample.uid,
+                                                  images=tuple(sample.images))  # every turn sees the prompt's images
             sample.append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason, out.routed_experts)
             text = self.decode(out.output_ids)
             answers.append(final_answer(text))

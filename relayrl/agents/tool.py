@@ -136,7 +136,8 @@ class ToolAgent(Agent):
         n_calls = n_errors = 0
         final_text, final_ids = "", []
         for turn in range(self.max_turns):
-            out = await self.rollout_ctl.generate(sample.input_ids, self.params_for(sample, turn), rid=sample.uid)
+            out = await self.rollout_ctl.generate(sample.input_ids, self.params_for(sample, turn), rid=sample.uid,
+                                                  images=tuple(sample.images))  # every turn sees the prompt's images
             sample.append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason, out.routed_experts)
             final_text, final_ids = self.decode(out.output_ids), list(out.output_ids)
             calls = self.format.parse(self.calls_text(out.output_ids))

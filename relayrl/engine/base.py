@@ -7,11 +7,15 @@ results). This is what keeps multi-turn trajectories token-exact.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
+import torch
+
+from relayrl.engine.scoring import Scored
 
 # A streaming request's listener (LocalEngine.submit's `on_token`): called on the engine's worker thread with each
 # token as it is sampled -- (token id, its logprob, its top_logprobs alternatives or None) -- before the engine
@@ -87,24 +91,91 @@ class GenOutput:
     routed_experts: np.ndarray | None = None
 
 
-@runtime_checkable
-class InferenceEngine(Protocol):
-    """What the RolloutController needs from an engine."""
+class NotSupported(RuntimeError):
+    """An engine was asked for an optional capability it does not have (see `InferenceEngine`)."""
+
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+class InferenceEngine(ABC):
+    """Everything the rest of relayrl may ask of an engine, declared here and nowhere else.
+
+    Callers (relayrl.engine.rollout, relayrl.run.sources, ...) call these methods on any engine and never probe for
+    one. The abstract ones every engine implements; the rest are optional capabilities whose default says, in this
+    one place, what an engine without them does: nothing (nothing to stage, release, flush or restore), or
+    `NotSupported`. `LocalEngine` and `RemoteEngine` override what they support.
+    """
+
+    # running totals since the engine started: relayrl.engine.rollout.ENGINE_COUNTERS when it keeps them (the
+    # embedded LocalEngine does; a remote engine counts only its requests, and the loops then report no engine/*)
+    stats: dict[str, Any]
 
     @property
-    def version(self) -> int: ...
+    @abstractmethod
+    def version(self) -> int:
+        """The policy version of the weights it holds (stamped on each token it samples)."""
 
-    async def agenerate(
-        self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
-        on_token: TokenCallback | None = None, images: tuple[bytes, ...] = (),
-    ) -> GenOutput: ...  # images: a vision-language prompt's image files (relayrl.engine.vision); only when any
+    @abstractmethod
+    async def agenerate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
+                        on_token: TokenCallback | None = None, images: tuple[bytes, ...] = ()) -> GenOutput:
+        """Generate from `input_ids`; `rid` names the trajectory (KV reuse, abort), `on_token` streams the tokens
+        (TokenCallback), `images`: a vision-language prompt's image files (relayrl.engine.vision), only when any."""
 
-    def update_weights(self, named_tensors, version: int) -> None: ...
+    @abstractmethod
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """Load new weights (from `stage_weights`' result) and stamp later tokens with `version`; called paused."""
 
-    def pause(self) -> None: ...
+    def stage_weights(self, named_tensors: NamedTensors, version: int) -> NamedTensors:
+        """Make an update ready while still generating, before the pause for `update_weights`, and return what
+        that should load. Default: nothing to stage, the tensors are returned unread (a lazy source is read only
+        by `update_weights`, while paused)."""
+        return named_tensors
 
-    def resume(self) -> None: ...
+    @abstractmethod
+    def load_weights_from_disk(self, path: str, version: int) -> None:
+        """Load the *.safetensors files of folder `path` as the weights of `version`."""
 
-    def abort(self, rid: str | None = None) -> int: ...
+    @abstractmethod
+    def pause(self) -> None:
+        """Stop generating at a token boundary; running requests keep their state."""
 
-    def close(self) -> None: ...
+    @abstractmethod
+    def resume(self) -> None:
+        """Generate again after `pause`."""
+
+    @abstractmethod
+    def abort(self, rid: str | None = None) -> int:
+        """Finish the requests of trajectory `rid` (all if None) with finish_reason "abort"; how many it aborted
+        (0 when the engine cannot tell)."""
+
+    def num_running(self) -> int:
+        """Requests waiting or generating; default -1: the engine cannot tell."""
+        return -1
+
+    def flush_cache(self) -> None:
+        """Forget cached KV of finished requests (computed by older weights). Default: no cache, nothing to do."""
+        return
+
+    def release_memory(self, weights: bool = True) -> int:
+        """Give back the KV cache (and with `weights`, the weights) while the trainer in this process needs the
+        memory; the next `update_weights` restores them. Returns the bytes freed. Default 0: an engine in another
+        process keeps its memory."""
+        return 0
+
+    def rng_state(self) -> torch.Tensor | None:
+        """The state of the generator that samples requests without a seed, for checkpoints. Default None: the
+        engine's sampling state is not relayrl's (a server's own), so a resume cannot restore it."""
+        return None
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        """Restore `rng_state()`'s output. Default: nothing to restore."""
+        return
+
+    def score(self, input_ids: list[int], top_k: int = 0, temperature: float = 1.0) -> Scored:
+        """Each token's logprob given the ones before it (prompt logprobs). Default: `NotSupported`."""
+        raise NotSupported(f"{type(self).__name__} does not score prompts (engine.kind=local does)")
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the engine's threads and connections; idempotent."""

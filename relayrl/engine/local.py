@@ -48,7 +48,7 @@ from relayrl.common.device import avoid_cudnn_attention, model_device
 from relayrl.common.utils import release_openmp_threads
 from relayrl.engine import attention, direct, routing, skinny
 from relayrl.engine import linear as engine_linear
-from relayrl.engine.base import GenOutput, SamplingParams, TokenCallback
+from relayrl.engine.base import GenOutput, InferenceEngine, SamplingParams, TokenCallback
 from relayrl.engine.batching import BatchStep
 from relayrl.engine.decode_graphs import StaticDecode
 from relayrl.engine.prefill import SharedStart
@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class LocalEngine(BatchStep):
+class LocalEngine(BatchStep, InferenceEngine):
     """Continuous-batching generation over a Hugging Face causal LM held in this process (the step itself:
     relayrl.engine.batching)."""
 
@@ -455,7 +455,14 @@ class LocalEngine(BatchStep):
 
 def tokenizer_decode(path: str) -> Decode:
     """The `decode` of a LocalEngine for the model at `path` (stop strings): a tokenizer of the engine's own, since
-    its worker decodes with it while agents and servers tokenize with theirs."""
-    tok = load_tokenizer(path)
-    return lambda ids: tok.decode(ids, skip_special_tokens=True)
+    its worker decodes with it while agents and servers tokenize with theirs. Loaded at the first stop string, so
+    an engine no request asks to stop on text never reads it (a bench's weights-only folder has none to read)."""
+    tok = None
+
+    def decode(ids: list[int]) -> str:
+        nonlocal tok
+        if tok is None:
+            tok = load_tokenizer(path)
+        return tok.decode(ids, skip_special_tokens=True)
+    return decode
 

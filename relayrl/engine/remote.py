@@ -3,7 +3,12 @@
 Two dialects:
 - `backend="sglang"`: SGLang's native API, spoken by `relayrl serve` and by real SGLang servers: POST /generate
   with token ids, weight reloads from disk, pause / continue / abort, per-token policy versions (relayrl's
-  `meta_info.output_token_versions`; plain SGLang gets `weight_version` for every token);
+  `meta_info.output_token_versions`; plain SGLang gets `weight_version` for every token). A vision-language
+  prompt's images go beside its token ids as base64 `image_data`: `relayrl serve` takes the ids as the model's
+  processor expanded them (what the trainer packs) and keys them with the images exactly as a LocalEngine does
+  (relayrl.engine.vision), so the server samples what a LocalEngine would. Whether a real SGLang server keeps such
+  ids as they are is not checked here (no SGLang on the test machines): its multimodal processors may expand the
+  image placeholders themselves;
 - `backend="vllm"`: vLLM's OpenAI server, POST /v1/completions with the prompt as token ids. Output ids come from
   `choices[0].token_ids` (`return_token_ids`) or else from `"token_id:123"` tokens (`return_tokens_as_token_ids`).
   Weight reloads, pause (mode keep) and resume use vLLM's development routes (VLLM_SERVER_DEV_MODE=1); abort
@@ -27,6 +32,7 @@ last error. A dead server therefore costs a few connect attempts, never a hang.
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import contextlib
 import re
@@ -41,7 +47,7 @@ import httpx
 import torch
 
 from relayrl.common.net import check_address
-from relayrl.engine.base import GenOutput, SamplingParams, TokenCallback
+from relayrl.engine.base import GenOutput, InferenceEngine, SamplingParams, TokenCallback
 from relayrl.trainer.lora import peek_adapters, save_peft_version
 from relayrl.trainer.optim import rounded_to_bf16
 from relayrl.weights.transport import save_weights_version
@@ -64,7 +70,7 @@ class RemoteRequestError(RuntimeError):
         self.status = status
 
 
-class RemoteEngine:
+class RemoteEngine(InferenceEngine):
     """One inference server at `address`; see the module docstring."""
 
     _written: dict[tuple[str, int], Path] = {}  # (weights_dir, version) folders written by this process
@@ -193,18 +199,25 @@ class RemoteEngine:
         `on_token` gets the tokens once the server answered (the server's answer is not streamed)."""
         if not input_ids:
             raise ValueError("input_ids is empty")
-        if images:  # docs/design.md, "Vision-language policies": what sending them needs
-            raise ValueError("remote engines do not send images yet: a vision-language policy runs on "
-                             "engine.kind=local")
-        run = self._generate_sglang if self.backend == "sglang" else self._generate_vllm
-        out = await asyncio.wrap_future(self._submit(run(list(input_ids), params, rid)))
+        if images and self.backend != "sglang":
+            raise ValueError(VLLM_IMAGES)
+        if self.backend == "sglang":
+            run = self._generate_sglang(list(input_ids), params, rid, images)
+        else:
+            run = self._generate_vllm(list(input_ids), params, rid)
+        out = await asyncio.wrap_future(self._submit(run))
         for i, token in enumerate(out.output_ids if on_token is not None else []):
             on_token(token, out.logprobs[i], out.top_logprobs[i] if out.top_logprobs else None)
         return out
 
-    async def _generate_sglang(self, input_ids: list[int], params: SamplingParams, rid: str | None) -> GenOutput:
+    async def _generate_sglang(self, input_ids: list[int], params: SamplingParams, rid: str | None,
+                               images: tuple[bytes, ...] = ()) -> GenOutput:
+        """`images`: the prompt's image files, sent as base64 `image_data` beside the processor-expanded ids,
+        which relayrl serve takes as they are (module docstring)."""
         body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": _sglang_sampling(params),
                                 "return_logprob": True}
+        if images:
+            body["image_data"] = [base64.b64encode(b).decode("ascii") for b in images]
         if rid is not None:
             body["rid"] = rid
         client_version = self._version
@@ -493,6 +506,9 @@ def _check_weight_sync(backend: str, weight_sync: str, weight_sync_backend: str)
         raise ValueError(VLLM_DISTRIBUTED)
 
 
+VLLM_IMAGES = ("a vision-language policy's images cannot go to a vLLM server token-in/token-out: its /v1/completions "
+               "takes prompt token ids without images, and its chat API renders and tokenizes the prompt itself; use "
+               "engine.backend=sglang with relayrl serve (input_ids with image_data), or engine.kind=local")
 VLLM_DISTRIBUTED = ("engine.weight_sync=distributed needs backend=sglang: vLLM's weight-transfer routes "
                     "(/init_weight_transfer_engine, /update_weights, ...) use their own NCCL-only rendezvous, "
                     "which relayrl does not speak; use engine.weight_sync=disk with vLLM")

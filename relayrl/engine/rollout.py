@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 
 import torch
@@ -106,12 +106,12 @@ class RolloutController:
     def update_weights(self, named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]], version: int) -> None:
         """Pause every engine at a token boundary, load the weights, bump the version, resume.
 
-        `named_tensors` is a callable returning a fresh iterator, so each engine gets its own pass. Engines that
-        can (local ones) stage it first, still generating: moved to their device and rounded into their dtype.
+        `named_tensors` is a callable returning a fresh iterator, so each engine gets its own pass, started only
+        when the engine reads it. Engines that can (local ones) stage it first, still generating: moved to their
+        device and rounded into their dtype; the others read it while paused.
         """
         t0 = time.perf_counter()
-        staged = [e.stage_weights(named_tensors(), version) if hasattr(e, "stage_weights") else None
-                  for e in self.engines]
+        staged = [e.stage_weights(_FreshPass(named_tensors), version) for e in self.engines]
         t1 = time.perf_counter()
         self.stats["weight_stage_s"] += t1 - t0
         for e in self.engines:
@@ -119,7 +119,7 @@ class RolloutController:
         self.stats["weight_pause_s"] += time.perf_counter() - t1
         try:
             for e, ready in zip(self.engines, staged, strict=True):
-                e.update_weights(named_tensors() if ready is None else ready, version)
+                e.update_weights(ready, version)
                 if self.partial_rollout == "requeue":
                     e.abort()  # their generations restart from scratch under the new weights
         except BaseException:
@@ -138,16 +138,15 @@ class RolloutController:
         step's `engine/*` metrics."""
         totals = dict.fromkeys(ENGINE_COUNTERS, 0.0)
         for engine in self.engines:
-            stats = getattr(engine, "stats", {})
-            if "steps" in stats:
+            if "steps" in engine.stats:
                 for key in ENGINE_COUNTERS:
-                    totals[key] += float(stats.get(key, 0))
+                    totals[key] += float(engine.stats.get(key, 0))
         return totals
 
     def release_memory(self, weights: bool = True) -> int:
         """Ask in-process engines to give back their KV cache (and weights) while the trainer runs beside them;
         the next update_weights restores them. Engines in other processes keep theirs. Returns bytes released."""
-        return sum(e.release_memory(weights) for e in self.engines if hasattr(e, "release_memory"))
+        return sum(e.release_memory(weights) for e in self.engines)
 
     def pause(self) -> None:
         for e in self.engines:
@@ -161,3 +160,16 @@ class RolloutController:
         self._closing = True
         for e in self.engines:
             e.close()
+
+
+class _FreshPass:
+    """`named_tensors()` as an iterable that calls it when iterated, and not before: an engine that does not stage
+    (InferenceEngine.stage_weights' default) starts its pass in update_weights, paused. A source whose call starts a
+    collective (an FSDP trainer's gather, relayrl.trainer.leader) must be read once started, so it is started
+    only by the engine about to read it, never before a pause that may fail."""
+
+    def __init__(self, named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]]):
+        self._named_tensors = named_tensors
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._named_tensors())

@@ -294,7 +294,7 @@ def save(c: Components, step: int) -> Path:
 def _write(c: Components, folder: Path, data: dict, rng: dict) -> dict:
     """Write every file but the manifest; returns what the manifest adds (a sharded trainer's world size)."""
     extra = {}
-    if getattr(c.train_ctl.engine, "sharded", False):
+    if c.train_ctl.engine.sharded:
         extra = write_trainer(c, folder)  # every rank writes its shard; back here once all have
     else:
         c.save_model(folder / "model")  # a plain HF folder (LoRA: adapters merged); adapters go in trainer.pt

@@ -10,7 +10,11 @@ from pathlib import Path
 
 from relayrl.common.utils import close_all
 from relayrl.config.schema import Config
+from relayrl.data.manager import DataManager
+from relayrl.engine.rollout import RolloutController
+from relayrl.judge import Judge
 from relayrl.models import save_pretrained_atomic
+from relayrl.run.env import Env
 from relayrl.run.launcher import ManagedServer
 from relayrl.run.lock import RunLock
 from relayrl.run.sources import RolloutSource
@@ -25,8 +29,8 @@ class Components:
     """A run for one role (see `relayrl.run.build.build`): the trainer side, and a `RolloutSource` for the rest.
 
     `rollouts` is in-process (`InProcessRollouts`) or a producer process (`ProducerHandle`); the loops and
-    checkpointing only use its protocol. `rollout_ctl`, `env`, `data`, `eval_data` and `judge` reach into an in-process
-    source for tests and benches (None for a producer process's trainer)."""
+    checkpointing only use its protocol. `rollout_ctl`, `env`, `data`, `eval_data` and `judge` are the source's parts in
+    this process, for tests and benches (None for a producer process's trainer)."""
 
     cfg: Config
     run_dir: Path
@@ -40,35 +44,35 @@ class Components:
     lock: RunLock | None = None  # the run folder's (relayrl.run.lock), released last by close(); None in a producer
 
     @property
-    def rollout_ctl(self):
-        return getattr(self.rollouts, "rollout_ctl", None)
+    def rollout_ctl(self) -> RolloutController | None:
+        return self.rollouts.rollout_ctl
 
     @property
-    def env(self):
-        return getattr(self.rollouts, "env", None)
+    def env(self) -> Env | None:
+        return self.rollouts.env
 
     @property
-    def data(self):
-        return getattr(self.rollouts, "data", None)
+    def data(self) -> DataManager | None:
+        return self.rollouts.data
 
     @property
-    def eval_data(self):
-        return getattr(self.rollouts, "eval_data", None)
+    def eval_data(self) -> DataManager | None:
+        return self.rollouts.eval_data
 
     @property
-    def judge(self):
-        return getattr(self.rollouts, "judge", None)
+    def judge(self) -> Judge | None:
+        return self.rollouts.judge
 
     def save_model(self, path: Path) -> Path:
         """Write the trained policy as a plain HF folder (loads with from_pretrained), atomically. A full or
         read-only disk is an OSError naming `path` (see `write_failure`)."""
         model = self.train_ctl.engine.model
-        full = getattr(self.train_ctl, "full_state_dict", None)  # FSDP: gather the shards (all ranks)
+        full = self.train_ctl.full_state_dict()  # FSDP: the shards gathered (all ranks); else None, the model's own
         try:
             if is_lora(model):  # LoRA: the adapters merged into the base weights, no peft needed to load it
                 return save_pretrained_atomic(model.get_base_model(), self.tokenizer, path,
-                                              state_dict=merged_state_dict(model, full() if full else None))
-            return save_pretrained_atomic(model, self.tokenizer, path, state_dict=full() if full else None)
+                                              state_dict=merged_state_dict(model, full))
+            return save_pretrained_atomic(model, self.tokenizer, path, state_dict=full)
         except Exception as e:
             failure = write_failure(e, path.parent, f"cannot write the model to {path}")
             if failure is None:

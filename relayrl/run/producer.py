@@ -43,6 +43,7 @@ import torch
 from relayrl.common import logs
 from relayrl.config import from_dict, to_dict
 from relayrl.config.schema import Config
+from relayrl.engine.local import LocalEngine
 from relayrl.run.checkpoint import rng_state, set_rng_state
 from relayrl.run.placement import ray_placement
 from relayrl.sample import Sample
@@ -58,6 +59,8 @@ class ProducerHandle:
         """`build` is `relayrl.run.build.build`, which builds this handle: passed in (the spawned process gets
         it pickled by name) so that this module stays below the builder."""
         self.cfg, self.weights_root = cfg, run_dir / "weights"
+        # the RolloutSource's in-process parts: all in the producer process
+        self.rollout_ctl = self.env = self.data = self.eval_data = self.judge = None
         args = (to_dict(cfg), str(run_dir), cfg.scheduler.transport, dist_address, build)
         placement = ray_placement()
         if placement is not None:  # launcher=ray: an actor on the producer's bundle; Ray ties its life to ours
@@ -245,7 +248,10 @@ def _receiver(c, transport: str, root: Path, dist_address: str | None):
         c.env.notify_version()
 
     if transport == "dist":
-        model = c.rollout_ctl.engines[0].model  # LoRA: the trainer broadcasts only adapters, shaped from the config
+        engine = c.rollout_ctl.engines[0]
+        if not isinstance(engine, LocalEngine):  # a config rule keeps this out (relayrl.config.schema)
+            raise TypeError(f"scheduler.transport=dist broadcasts into local engines, not {engine!r}")
+        model = engine.model  # LoRA: the trainer broadcasts only adapters, shaped from the config
         template = adapter_template(model, c.cfg.model) if c.cfg.model.lora_rank else model.named_parameters()
         return DistReceiver(dist_address, template, apply, dtype=_wire_dtype(c.cfg))
     return DiskReceiver(root, apply)

@@ -18,6 +18,7 @@ from relayrl.agents.base import Agent
 from relayrl.common.utils import close_all, trim_memory
 from relayrl.config.schema import Config
 from relayrl.data.manager import DataManager
+from relayrl.engine.base import InferenceEngine
 from relayrl.engine.rollout import RolloutController
 from relayrl.judge import Judge
 from relayrl.run.env import Env
@@ -31,6 +32,14 @@ logger = logging.getLogger(__name__)
 
 class RolloutSource(Protocol):
     """What the loops and checkpointing need from the rollout side, wherever it runs."""
+
+    # the parts in this process (tests, benches and the producer process's own program reach into them); None on a
+    # trainer whose rollouts run in a producer process (ProducerHandle)
+    rollout_ctl: RolloutController | None
+    env: Env | None
+    data: DataManager | None
+    eval_data: DataManager | None
+    judge: Judge | None
 
     def start(self) -> None:
         """Begin producing ahead of the trainer (asynchronous runs); a no-op where nothing runs ahead."""
@@ -159,11 +168,13 @@ class InProcessRollouts:
         finally:
             self.start()
 
-    def _engines(self) -> list:
-        return [e for e in self.rollout_ctl.engines if hasattr(e, "rng_state")]
+    def _seeded(self) -> list[InferenceEngine]:
+        """The engines whose sampling generator a checkpoint keeps (LocalEngine); a server's is its own (its
+        rng_state is None). Checkpoints list the generators of these alone, in order."""
+        return [e for e in self.rollout_ctl.engines if e.rng_state() is not None]
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"data": self.data.state_dict(), "engines": [e.rng_state() for e in self._engines()]}
+        state: dict[str, Any] = {"data": self.data.state_dict(), "engines": [e.rng_state() for e in self._seeded()]}
         if self.asynchronous:  # groups trained so far: the base of the staleness admission rule
             manager = self.env.scheduler.manager
             state["async"] = {"accepted": manager.accepted, "stats": dict(self.env.scheduler.stats)}
@@ -171,7 +182,7 @@ class InProcessRollouts:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.data.load_state_dict(state["data"])
-        for engine, s in zip(self._engines(), state.get("engines", [])):
+        for engine, s in zip(self._seeded(), state.get("engines", [])):
             engine.set_rng_state(s)
         if self.asynchronous and "async" in state:
             self.env.scheduler.manager.accepted = state["async"]["accepted"]

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 from relayrl.engine.base import GenOutput, SamplingParams, TokenCallback
 
-Submit = Callable[[list[int], SamplingParams, str | None, TokenCallback | None], concurrent.futures.Future]
+Submit = Callable[..., concurrent.futures.Future]  # LocalEngine.submit(prompt, params, rid, on_token, images=)
+Images = tuple[bytes, ...]  # a vision-language prompt's image files (relayrl.serve.images)
 
 
 @dataclass(eq=False)
@@ -37,6 +38,7 @@ class _Sample:
     rid: str | None
     future: asyncio.Future  # what the request awaits
     on_token: TokenCallback | None = None  # a streamed sample's listener (relayrl.serve.streaming)
+    images: Images = ()
     running: asyncio.Future | None = None  # the engine's, once handed over
 
     @property
@@ -61,14 +63,16 @@ class Admission:
         self._turns: deque[_Ticket] = deque()  # tickets with waiting samples, in turn order
 
     def run(self, samples: list[tuple[list[int], SamplingParams, str | None]],
-            on_tokens: list[TokenCallback | None] | None = None) -> list[asyncio.Future]:
+            on_tokens: list[TokenCallback | None] | None = None,
+            images: list[Images] | None = None) -> list[asyncio.Future]:
         """Queue one request's samples as one ticket; a future per sample resolves to its GenOutput.
         Cancelling a future withdraws its sample (or stops it in the engine at the next step). `on_tokens`: a
-        streamed request's listener per sample."""
+        streamed request's listener per sample; `images`: each sample's prompt images."""
         loop = asyncio.get_running_loop()
         ticket = _Ticket()
-        for (prompt, params, rid), on_token in zip(samples, on_tokens or [None] * len(samples), strict=True):
-            s = _Sample(prompt, params, rid, loop.create_future(), on_token)
+        for (prompt, params, rid), on_token, imgs in zip(samples, on_tokens or [None] * len(samples),
+                                                          images or [()] * len(samples), strict=True):
+            s = _Sample(prompt, params, rid, loop.create_future(), on_token, imgs)
             s.future.add_done_callback(lambda f, s=s: self._withdrawn(s) if f.cancelled() else None)
             ticket.waiting.append(s)
         futures = [s.future for s in ticket.waiting]
@@ -120,7 +124,8 @@ class Admission:
 
     def _start(self, ticket: _Ticket, s: _Sample) -> None:
         try:
-            s.running = asyncio.wrap_future(self._submit(s.prompt, s.params, s.rid, s.on_token))
+            with_images = {"images": s.images} if s.images else {}
+            s.running = asyncio.wrap_future(self._submit(s.prompt, s.params, s.rid, s.on_token, **with_images))
         except Exception as e:  # the engine refused it (closed): this sample fails, nothing else
             s.future.set_exception(e)
             return

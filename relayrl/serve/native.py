@@ -33,6 +33,8 @@ what partial-rollout training needs. Differences from SGLang, on purpose:
   400 instead of being ignored, because silently sampling from a different distribution corrupts RL data;
   options that only touch the returned extras (top_logprobs_num, skip_special_tokens, ...) are accepted;
 - no streaming; no `token_ids_logprob` (400);
+- `image_data` (base64 or data URLs, per prompt one or a list) goes with `input_ids` as the model's processor
+  expanded them, taken as they are (token-in/token-out); image URLs are not fetched (relayrl.serve.images);
 - every field is checked against the server's limits (`relayrl.serve.parsing`), and samples wait in the
   server's fair queue (`relayrl.serve.admission`) rather than in the engine's first-come one.
 Logprobs are those of the temperature-scaled distribution before top-k/top-p (the trainer's convention).
@@ -131,7 +133,8 @@ async def run_jobs(request: Request, state: ServerState,
     of generating for nobody. A job that only scores gets an empty output."""
     generating = [j for j in jobs if j.generate]
     scoring = list(dict.fromkeys((tuple(j.prompt), j.logprobs.top) for j in jobs if j.logprobs.input_start is not None))
-    tasks = state.submit([(j.prompt, j.params, j.engine_rid) for j in generating]) if generating else []
+    tasks = state.submit([(j.prompt, j.params, j.engine_rid) for j in generating],
+                         images=[j.images for j in generating]) if generating else []
     try:
         tasks += submit_scores(state, [(list(prompt), top) for prompt, top in scoring])
         while True:
@@ -171,7 +174,7 @@ def native_router(state: ServerState) -> APIRouter:
     router = APIRouter(dependencies=[Depends(key_check(state.api_key))])
 
     async def generate(request: Request, body: Any) -> Any:
-        jobs, as_list = await parse_generate(body, state.limits, state.tokenize)
+        jobs, as_list = await parse_generate(body, state.limits, state.tokenize, state.images)
         outs, scores = await run_jobs(request, state, jobs)
         answers = [generate_response(j, o, state, s) for j, o, s in zip(jobs, outs, scores)]
         return JSONResponse(answers if as_list else answers[0])  # plain JSON: skips FastAPI's slow encoder walk

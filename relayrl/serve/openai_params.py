@@ -85,9 +85,11 @@ def _check_extras(body: dict[str, Any]) -> None:
             raise BadRequest(key, "must be a string")
 
 
-def messages(raw: Any, limits: ServerLimits) -> list[dict[str, Any]]:
+def messages(raw: Any, limits: ServerLimits, images: bool = False) -> list[dict[str, Any]]:
     """Messages as chat templates expect them: string content (text parts joined), tool-call arguments as
-    objects (OpenAI sends them as JSON strings; templates render them with tojson)."""
+    objects (OpenAI sends them as JSON strings; templates render them with tojson). With `images` (relayrl serve),
+    a content holding `image_url` parts stays a list of parts: text parts and `{"type": "image", "url", "field"}`
+    (`take_images` takes url and field out before the template sees them); else image parts are a 400."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages", "must be a non-empty list of messages")
     out = []
@@ -95,7 +97,7 @@ def messages(raw: Any, limits: ServerLimits) -> list[dict[str, Any]]:
         where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
             raise BadRequest(where, 'must be an object with a "role" string')
-        m = {**m, "content": _content(m.get("content"), f"{where}.content")}
+        m = {**m, "content": _content(m.get("content"), f"{where}.content", images)}
         for key in ("name", "tool_call_id"):
             if m.get(key) is not None and not isinstance(m[key], str):
                 raise BadRequest(f"{where}.{key}", "must be a string")
@@ -105,15 +107,39 @@ def messages(raw: Any, limits: ServerLimits) -> list[dict[str, Any]]:
     return out
 
 
-def _content(content: Any, where: str) -> str | None:
+def _content(content: Any, where: str, images: bool = False) -> str | list[dict[str, Any]] | None:
     if content is None or isinstance(content, str):
         return content
-    if not isinstance(content, list) or not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        raise BadRequest(where, "must be a string or a list of text parts (only text is supported)")
-    texts = [p.get("text", "") for p in content]
-    if not all(isinstance(t, str) for t in texts):
-        raise BadRequest(where, "text parts must hold strings")
-    return "".join(texts)
+    kinds = ("text", "image_url") if images else ("text",)
+    if not isinstance(content, list) or not all(isinstance(p, dict) and p.get("type") in kinds for p in content):
+        raise BadRequest(where, "must be a string or a list of text parts" + (
+            " and image_url parts" if images else " (only text is supported)"))
+    parts: list[dict[str, Any]] = []
+    for j, p in enumerate(content):
+        if p["type"] == "image_url":
+            url = p.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            parts.append({"type": "image", "url": url, "field": f"{where}[{j}].image_url.url"})
+        elif not isinstance(p.get("text", ""), str):
+            raise BadRequest(where, "text parts must hold strings")
+        else:
+            parts.append({"type": "text", "text": p.get("text", "")})
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def take_images(msgs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[Any, str]]]:
+    """(messages with bare `{"type": "image"}` parts, what the template renders as the image placeholder; each
+    image's (url, field) in order) from `messages(..., images=True)`."""
+    found: list[tuple[Any, str]] = []
+    out = []
+    for m in msgs:
+        if isinstance(m.get("content"), list):
+            found += [(p["url"], p["field"]) for p in m["content"] if p["type"] == "image"]
+            m = {**m, "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]}
+        out.append(m)
+    return out, found
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:

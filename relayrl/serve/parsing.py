@@ -5,10 +5,13 @@ top_k follows SGLang (-1 = off; relayrl's 0 = off is accepted too); a seeded gro
 seed+1, ... so its samples differ yet repeat exactly. max_new_tokens is clamped to what the context leaves
 (generation would stop there anyway) before it is counted against the in-flight budget. Logprobs follow SGLang
 (`_logprob_asks`); `max_new_tokens: 0` is accepted only where the prompt's logprobs are asked (scoring alone).
+`image_data` (a vision-language model's images, `_images`): per prompt a base64 image or a list of them, checked
+and decoded before the request is queued (relayrl.serve.images); prompt logprobs are text only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 from collections.abc import Awaitable, Callable
@@ -17,6 +20,7 @@ from typing import Any
 
 from relayrl.engine.base import SamplingParams
 from relayrl.serve.errors import BadRequest
+from relayrl.serve.images import ServeImages, read_images
 from relayrl.serve.limits import (
     MAX_NATIVE_STOP_STRINGS,
     MAX_TOKENS_HINT,
@@ -65,6 +69,7 @@ class Job:
     skip_special_tokens: bool = True  # for `text` only; output_ids always hold every token
     generate: bool = True  # False: max_new_tokens 0, the prompt is only scored (params then ask for one token)
     trim_stop: bool = True  # False (SGLang's no_stop_trim): `text` keeps the stop string that ended it
+    images: tuple[bytes, ...] = ()  # the prompt's image files, in the order of its image tokens
 
     @property
     def cost(self) -> int:
@@ -152,12 +157,40 @@ def _logprob_asks(body: dict[str, Any], prompts: list[list[int]]) -> list[Logpro
     return asks
 
 
-async def parse_generate(body: dict[str, Any], limits: ServerLimits, tokenize: Tokenize) -> tuple[list[Job], bool]:
+async def _images(body: dict[str, Any], prompts: list[list[int]], batch: bool,
+                  served: ServeImages | None) -> list[tuple[bytes, ...]]:
+    """Each prompt's images from `image_data` (SGLang's shapes: one prompt's is a base64 image or a list; a batch's
+    a list with one such entry per prompt), checked against the prompt's image tokens (relayrl.serve.images)."""
+    raw = body.get("image_data")
+    if raw is None or raw == []:
+        per_prompt: list[Any] = [None] * len(prompts)
+    else:
+        per_prompt = _per_prompt(raw, len(prompts), "image_data") if batch else [raw]
+    fields = []
+    for i, entry in enumerate(per_prompt):
+        at = f"image_data[{i}]" if batch else "image_data"
+        entries = [] if entry is None else entry if isinstance(entry, list) else [entry]
+        fields.append([(v, f"{at}[{k}]" if isinstance(entry, list) else at) for k, v in enumerate(entries)])
+    read = iter(await read_images([f for group in fields for f in group], served))
+    out = []
+    for i, (prompt, group) in enumerate(zip(prompts, fields)):
+        images = [next(read) for _ in group]
+        if served is not None:
+            await asyncio.to_thread(served.check_prompt, prompt, [img for _, img in images],
+                                    f"input_ids[{i}]" if batch else "input_ids")
+        out.append(tuple(data for data, _ in images))
+    return out
+
+
+async def parse_generate(body: dict[str, Any], limits: ServerLimits, tokenize: Tokenize,
+                         served: ServeImages | None = None) -> tuple[list[Job], bool]:
     """One Job per sample (prompt-major when sampling_params.n > 1) and whether to answer with a list. The
-    request as a whole must fit --max-n and the in-flight budget."""
+    request as a whole must fit --max-n and the in-flight budget. `served`: the model's image side (None: a text
+    model, which refuses image_data)."""
     if flag(body, "stream", False):
         raise BadRequest("stream", "streaming is not supported")
     prompts, batch = await _prompts(body, limits, tokenize)
+    images = await _images(body, prompts, batch, served)
     listed = isinstance(body.get("sampling_params"), list)
     raw_params = _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params")
     rids = _per_prompt(body.get("rid"), len(prompts), "rid") if batch else [body.get("rid")]
@@ -165,6 +198,8 @@ async def parse_generate(body: dict[str, Any], limits: ServerLimits, tokenize: T
     parsed = []
     for i, (prompt, raw, name, lp) in enumerate(zip(prompts, raw_params, rids, asks)):
         where = f"sampling_params[{i}]" if listed else "sampling_params"
+        if images[i] and lp.input_start is not None:
+            raise BadRequest("logprob_start_len", "prompt logprobs are not computed for prompts with images")
         # max_new_tokens 0 asks for the prompt's logprobs alone (lm-eval's loglikelihood); nothing else may ask it
         zero = isinstance(raw, dict) and raw.get("max_new_tokens") == 0 and type(raw["max_new_tokens"]) is not bool
         score_only = lp.input_start is not None and zero
@@ -174,12 +209,12 @@ async def parse_generate(body: dict[str, Any], limits: ServerLimits, tokenize: T
         name = rid(name, f"rid[{i}]" if batch and isinstance(body.get("rid"), list) else "rid")
         text_options = (flag(raw or {}, "skip_special_tokens", True, where),
                         not flag(raw or {}, "no_stop_trim", False, where))
-        parsed.append((prompt, params, n, name, lp, text_options, score_only))
+        parsed.append((prompt, params, n, name, lp, text_options, score_only, images[i]))
     limits.check_samples(sum(p[2] for p in parsed), "sampling_params.n")
     jobs: list[Job] = []
-    for prompt, params, n, name, lp, (skip, trim), score_only in parsed:
+    for prompt, params, n, name, lp, (skip, trim), score_only, imgs in parsed:
         for k in range(n):  # a seeded group gets seeds seed..seed+n-1: distinct samples, still reproducible
             seeded = params if params.seed is None or k == 0 else dataclasses.replace(params, seed=params.seed + k)
-            jobs.append(Job(prompt, seeded, name or uuid.uuid4().hex, name, lp, skip, not score_only, trim))
+            jobs.append(Job(prompt, seeded, name or uuid.uuid4().hex, name, lp, skip, not score_only, trim, imgs))
     limits.check_cost(sum(j.cost for j in jobs), "sampling_params.max_new_tokens")
     return jobs, batch or len(jobs) > 1

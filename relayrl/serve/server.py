@@ -8,7 +8,9 @@ One FastAPI app carries two APIs over the same engine (so they share its continu
   are described in the template (or a system prompt when it has no tool support) and calls in the template's
   format come back as OpenAI `tool_calls`, with `tool_choice`; `response_format` other than text is refused
   (`relayrl.serve.chat_tools`); `return_token_ids: true` adds `prompt_token_ids` / `token_ids` (vLLM's
-  extension). `stream: true` streams token by token as OpenAI's server-sent events (`relayrl.serve.streaming`;
+  extension). Image content parts (`image_url`, a base64 data URL) go to a vision-language model, checked and
+  expanded by its processor (`relayrl.serve.images`; URLs are not fetched). `stream: true` streams token by
+  token as OpenAI's server-sent events (`relayrl.serve.streaming`;
   completions' `echo` is not streamed: 400). The served model is named by
   --served-model-name (several aliases; default the --model argument) in /v1/models and responses; a request
   naming another `model` gets 404 (`relayrl.serve.openai_api`). `stop` strings end generation in the engine
@@ -51,6 +53,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from PIL import Image
 
 from relayrl.common.device import resolve_device
 from relayrl.common.hardware import resolve_dtype
@@ -71,6 +74,7 @@ from relayrl.serve.connections import (
     quiet_accept_errors,
 )
 from relayrl.serve.errors import BadRequest
+from relayrl.serve.images import ServeImages, read_images
 from relayrl.serve.limits import ServerLimits, flag
 from relayrl.serve.native import health, native_router, output_text, submit_scores
 from relayrl.serve.openai_api import Alternatives, chat_response, completion_logprobs, make_openai_app
@@ -103,10 +107,12 @@ class EngineBackend:
         self.tools = ChatTools(self.tok)
         self.specials = special_texts(self.tok) if escape_special_tokens else ()
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None, prefill: str = "") -> list[int]:
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None, prefill: str = "",
+                images: tuple[Image.Image, ...] = ()) -> list[int]:
         """Render with the chat template (generation prompt added, then `prefill`: the assistant turn's opening)
         and tokenize, as RecordingBackend does; with --escape-special-tokens the client's special-token text
-        stays text (relayrl.serve.special_tokens)."""
+        stays text (relayrl.serve.special_tokens). A vision-language model's image placeholders are then expanded
+        into their images' tokens (relayrl.serve.images)."""
         try:
             escaped = Escaped([messages, tools], self.specials) if self.specials else None
         except RecursionError:
@@ -119,12 +125,18 @@ class EngineBackend:
         except Exception as e:
             raise openai_params.render_error(e) from None
         text, spans = escaped.restore(text + prefill) if escaped is not None else (text + prefill, [])
-        return encode(self.tok, text, spans)
+        ids = encode(self.tok, text, spans)
+        if self.state.images is None:
+            return ids
+        if not images:  # image tokens typed as text would reach the engine without images
+            self.state.images.check_prompt(ids, (), "messages")
+            return ids
+        return self.state.images.expand(ids, images, "messages")
 
     async def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None,
-                              prefill: str = "") -> list[int]:
+                              prefill: str = "", images: tuple[Image.Image, ...] = ()) -> list[int]:
         openai_params.check_size([messages, tools], self.limits, "messages")
-        ids = await self.state.in_tokenizer_thread(self._render, messages, tools, prefill)
+        ids = await self.state.in_tokenizer_thread(self._render, messages, tools, prefill, images)
         return self.limits.check_prompt(ids, "messages")
 
     def samples(self, jobs: list[tuple[list[int], SamplingParams, int]]) -> list[tuple[list[int], SamplingParams,
@@ -137,10 +149,12 @@ class EngineBackend:
         self.limits.check_cost(sum(len(q) + p.max_new_tokens for q, p, _ in flat), "max_tokens")
         return flat
 
-    async def sample(self, jobs: list[tuple[list[int], SamplingParams, int]]) -> list[list[GenOutput]]:
+    async def sample(self, jobs: list[tuple[list[int], SamplingParams, int]],
+                     images: tuple[bytes, ...] = ()) -> list[list[GenOutput]]:
         """The `samples` of the jobs, all as one request of the server's queue (the engine prefills a prompt
-        once)."""
-        futures = self.state.submit(self.samples(jobs))
+        once); `images`: the prompts' images (a chat request's one prompt)."""
+        flat = self.samples(jobs)
+        futures = self.state.submit(flat, images=[images] * len(flat) if images else None)
         try:
             outs = list(await asyncio.gather(*futures))
         finally:
@@ -174,16 +188,20 @@ class EngineBackend:
     async def chat(self, body: dict[str, Any], session: str | None) -> dict[str, Any] | Stream:
         streamed = stream_options(body)
         asked = openai_params.logprob_options(body, chat=True)
-        messages = openai_params.messages(body.get("messages"), self.limits)
+        takes_images = self.state.images is not None  # a text-only model: an image part is a 400 naming it
+        messages = openai_params.messages(body.get("messages"), self.limits, takes_images)
+        messages, found = openai_params.take_images(messages)
         tools = openai_params.tools(body.get("tools"))
         tool_choice = self.tools.choice(body.get("tool_choice"), tools, flag(body, "parallel_tool_calls", True))
-        prompt = await self.chat_prompt_ids(messages, tools, tool_choice.prefill)
+        read = await read_images(found, self.state.images)  # each checked, or a 400 naming its part
+        images = tuple(data for data, _ in read)
+        prompt = await self.chat_prompt_ids(messages, tools, tool_choice.prefill, tuple(img for _, img in read))
         params, n = openai_params.sampling(body, self.limits, len(prompt))
         params = dataclasses.replace(params, top_logprobs=asked.top)
         want_lp, with_ids = asked.wanted, bool(body.get("return_token_ids"))
         if streamed is not None:
-            return self.chat_stream(prompt, params, n, tool_choice, asked, with_ids, streamed)
-        outs = (await self.sample([(prompt, params, n)]))[0]
+            return self.chat_stream(prompt, params, n, tool_choice, asked, with_ids, streamed, images)
+        outs = (await self.sample([(prompt, params, n)], images))[0]
         cid, choices = f"chatcmpl-{uuid.uuid4().hex}", []
         for i, out in enumerate(outs):
             text = output_text(self.tok, out, params.stop_strings)
@@ -203,6 +221,8 @@ class EngineBackend:
         tokenized = iter(await self.state.tokenize(texts) if texts else [])
         ids = [self.limits.check_prompt(next(tokenized), f"prompt[{i}]") if isinstance(p, str) else p
                for i, p in enumerate(checked)]
+        for i, p in enumerate(ids if self.state.images is not None else []):  # completions take no images
+            self.state.images.check_prompt(p, (), f"prompt[{i}]")
         return ids, [p if isinstance(p, str) else self.tok.decode(p) for p in checked]
 
     def completion_logprobs(self, prompt: list[int], text: str, out: GenOutput, scored: Scored | None) -> dict:
@@ -246,14 +266,15 @@ class EngineBackend:
 
     # ---- streamed answers (relayrl.serve.streaming) -----------------------------------------------------------
     def stream(self, cid: str, chunks: Chunks, jobs: list[tuple[list[int], SamplingParams, int]], usage: bool,
-               marker: str | None = None) -> Stream:
+               marker: str | None = None, images: tuple[bytes, ...] = ()) -> Stream:
         """Submit the jobs' samples, each with a listener, and return their stream (its first byte goes out only
         after this returns: every refusal came before)."""
         flat = self.samples(jobs)
         choices = [Choice(i, prompt, p, IncrementalText(self.decode, p.stop_strings, marker))
                    for i, (prompt, p, _) in enumerate(flat)]
         stream = Stream(cid, self.model_name, chunks, choices, usage, sum(len(prompt) for prompt, _, _ in jobs))
-        return stream.start(self.state.submit(flat, [stream.listener(i) for i in range(len(flat))]))
+        return stream.start(self.state.submit(flat, [stream.listener(i) for i in range(len(flat))],
+                                              [images] * len(flat) if images else None))
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -262,14 +283,15 @@ class EngineBackend:
         return Answer(self.token_texts, self.alternatives, asked.wanted, bool(asked.top), with_ids)
 
     def chat_stream(self, prompt: list[int], params: SamplingParams, n: int, tool_choice: ToolChoice,
-                    asked: openai_params.Logprobs, with_ids: bool, usage: bool) -> Stream:
+                    asked: openai_params.Logprobs, with_ids: bool, usage: bool,
+                    images: tuple[bytes, ...] = ()) -> Stream:
         """Content streams up to where a tool call starts (`call_start`); the calls come parsed at the end."""
         def reply(out: GenOutput, p: SamplingParams) -> tuple[str | None, list[dict[str, Any]] | None, str]:
             text = output_text(self.tok, out, p.stop_strings)
             return self.tools.reply(tool_choice, out, text, p.stop_strings, _finish(out))
 
         return self.stream(f"chatcmpl-{uuid.uuid4().hex}", ChatChunks(self.answer(asked, with_ids), reply),
-                           [(prompt, params, n)], usage, self.tools.call_start(tool_choice))
+                           [(prompt, params, n)], usage, self.tools.call_start(tool_choice), images)
 
     def completion_stream(self, jobs: list[tuple[list[int], SamplingParams | None, int]], texts: list[str],
                           asked: openai_params.Logprobs, with_ids: bool, usage: bool) -> Stream:
@@ -425,7 +447,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, dtype: str 
                                          kv_dtype=options.kv_dtype, device=where)
     try:
         state = ServerState(engine, load_tokenizer(path), path, _limits(engine, max_batch_size, options),
-                            options.api_key, weights_root)
+                            options.api_key, weights_root, images=ServeImages.for_engine(engine, path))
         site = SitePolicy(host, bool(options.api_key), options.allowed_hosts, options.allowed_origins)
         config = uvicorn.Config(build_app(state, names, site, options.escape_special_tokens), host=host, port=port,
                                 log_level=third_party_level(log_level), lifespan="on", http=protocol_class(conns),

@@ -14,6 +14,7 @@ from fastapi import HTTPException
 from relayrl.engine.base import SamplingParams, TokenCallback
 from relayrl.engine.local import LocalEngine
 from relayrl.serve.admission import Admission
+from relayrl.serve.images import ServeImages
 from relayrl.serve.limits import ServerLimits
 
 
@@ -29,6 +30,7 @@ class ServerState:
     weights_root: Path | None = None  # /update_weights_from_disk reads only under it; None: the route is off
     closing: bool = False  # set at shutdown: new generations get 503, running ones are aborted
     paused: bool = False
+    images: ServeImages | None = None  # a vision-language model's image side; None: image inputs are refused
     admission: Admission = field(init=False)
     _tokenizing: concurrent.futures.ThreadPoolExecutor = field(init=False)
 
@@ -38,12 +40,14 @@ class ServerState:
         self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="relayrl-serve-tokenize")
 
     def submit(self, jobs: list[tuple[list[int], SamplingParams, str | None]],
-               on_tokens: list[TokenCallback | None] | None = None) -> list[asyncio.Future]:
-        """Queue one request's samples (see `relayrl.serve.admission`; `on_tokens` streams them). Submitted now,
+               on_tokens: list[TokenCallback | None] | None = None,
+               images: list[tuple[bytes, ...]] | None = None) -> list[asyncio.Future]:
+        """Queue one request's samples (see `relayrl.serve.admission`; `on_tokens` streams them; `images`: each
+        sample's prompt images, checked by relayrl.serve.images). Submitted now,
         not when an awaiting task first runs: once `closing` is set no request can slip in after the shutdown's
         abort."""
         self.check_open()
-        return self.admission.run(jobs, on_tokens)
+        return self.admission.run(jobs, on_tokens, images)
 
     def generate(self, prompt: list[int], params: SamplingParams, rid: str | None = None) -> asyncio.Future:
         return self.submit([(prompt, params, rid)])[0]

@@ -240,6 +240,11 @@ class TrainController:
         """Relay the new weights to every inference engine behind `rollout_ctl`."""
         rollout_ctl.update_weights(self.engine.named_parameters, self.version)
 
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The policy's weights whole, for an export: None, since this process's model holds them whole (its own
+        state_dict serves); a sharded trainer's controller gathers them (relayrl.trainer.leader.LeaderController)."""
+        return None
+
     def state_dict(self) -> dict:
         """Training state beyond the policy weights (saved as an HF folder): policy optimizer, LR schedule,
         version, and the critic with its optimizer. Tensors are references: save (torch.save) before

@@ -39,6 +39,10 @@ LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor | None], tuple[torch.T
 
 
 class TrainEngine:
+    # whether each process holds only a shard of the weights and optimizer (FSDPEngine): a checkpoint then writes
+    # every rank's shard (relayrl.run.checkpoint_dist) instead of one trainer.pt
+    sharded = False
+
     def __init__(self, model: torch.nn.Module, *, lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
                  weight_decay: float = 0.0, grad_clip: float = 1.0, temperature: float = 1.0,
                  autocast_bf16: bool = False, gradient_checkpointing: bool | str = False,

@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from relayrl.trainer.controller import TrainController
+from relayrl.trainer.engine import TrainEngine
 from relayrl.trainer.shards import load_shards, save_shards
+from relayrl.trainer.value import Critic
 
 
 def _send(command: str, payload: Any = None) -> None:
@@ -32,25 +34,46 @@ def _receive() -> tuple[str, Any]:
 
 
 class _LeaderEngine:
-    """Rank 0's view of the FSDPEngine: a full-weight gather is announced to the followers first."""
+    """Rank 0's view of the FSDPEngine: a full-weight gather is announced to the followers first. It declares what
+    the loops and checkpointing use of a trainer's engine (relayrl.run.components, relayrl.run.checkpoint)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: TrainEngine):
         self._engine = engine
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._engine.model
+
+    @property
+    def sharded(self) -> bool:
+        return self._engine.sharded
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         _send("gather")
         return self._engine.named_parameters()
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
 
 class LeaderController:
-    """A TrainController on rank 0 whose collective calls are mirrored by the followers."""
+    """A TrainController on rank 0 whose collective calls are mirrored by the followers. It declares every member the
+    loops and checkpointing use of a TrainController (the rest of the controller is the trainer's own business)."""
 
     def __init__(self, ctl: TrainController):
         self._ctl = ctl
         self.engine = _LeaderEngine(ctl.engine)
+
+    @property
+    def version(self) -> int:
+        return self._ctl.version
+
+    @property
+    def critic(self) -> Critic | None:
+        return self._ctl.critic
+
+    def state_dict(self) -> dict:
+        return self._ctl.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._ctl.load_state_dict(state)
 
     def fit(self, samples) -> dict[str, float]:
         _send("fit", samples)
@@ -60,6 +83,7 @@ class LeaderController:
         rollout_ctl.update_weights(self.engine.named_parameters, self._ctl.version)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's weights gathered whole (every rank takes part), for an export."""
         return dict(self.engine.named_parameters())
 
     def save_checkpoint(self, folder: Path) -> list[dict]:
@@ -75,9 +99,6 @@ class LeaderController:
 
     def stop_followers(self) -> None:
         stop_followers()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._ctl, name)
 
 
 def lead(ctl: TrainController | LeaderController) -> LeaderController:

@@ -158,6 +158,7 @@ def test_every_module_imports_without_the_extras(installed):
     out = _run([str(installed["python"]), "-c", walk], cwd=installed["cwd"])
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout) == {"relayrl.serve.server": "uvicorn", "relayrl.agents.proxy": "uvicorn",
+                                      "relayrl.serve.connections": "uvicorn",
                                       "relayrl.envs.textarena": "textarena",
                                       "relayrl.envs.verifiers_runner": "verifiers"}
 

@@ -31,7 +31,10 @@ RAY = str(Path(sys.executable).with_name("ray"))
 
 def args(tiny_path: str, data: str, out: Path, name: str, **extra) -> list[str]:
     """`relayrl train` of a tiny run (conftest) with an eval set, one torch thread per process, 2 Ray CPUs."""
-    over = {"data.eval.source": data, "data.group_size": 4, "sampling.max_new_tokens": 12, "eval.size": 3,
+    # the rollout correction off on every side: "auto" turns it on for launched servers (another program samples),
+    # and this compares their runs with a local one whose fp32 engine leaves it off
+    over = {"algo.rollout_correction.enabled": False, "data.eval.source": data, "data.group_size": 4,
+            "sampling.max_new_tokens": 12, "eval.size": 3,
             "eval.n": 2, "eval.temperature": 1.0, **USER_OUTPUTS, "run.name": name, "run.threads": 1,
             "ray.num_cpus": 2, **extra}
     return [sys.executable, "-m", "relayrl.cli", "train", *tiny_run_args(tiny_path, data, out, **over)]

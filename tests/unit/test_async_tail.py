@@ -108,9 +108,10 @@ def test_prompts_that_keep_expiring_run_as_a_tail_batch(model, tokenizer):
         assert m["rollout/groups_expired"] == 2 and m["rollout/tail_set_aside_total"] == 2
         assert questions(batch) == {"q2", "q3"}
         batch, m = env.get_batch(data, 1, timeout=30)
-        # each set-aside prompt (trigger_size 1) ran as a tail batch before any new prompt, fresh (version 1)
+        # the set-aside prompts (trigger_size 1) ran as tail batches before any new prompt, fresh (version 1): one
+        # tail batch of both when the second was set aside before the producer looked, else one each
         assert questions(batch) == {"q0", "q1"} and {s.metrics[EXPIRED_BEFORE] for s in batch} == {1.0}
-        assert m["rollout/groups_expired"] == 0 and m["rollout/tail_batches_total"] == 2
+        assert m["rollout/groups_expired"] == 0 and m["rollout/tail_batches_total"] in (1, 2)
         assert m["rollout/tail_waiting"] == 0
         time.sleep(0.2)
         assert data.drawn == 6  # q0..q3 and the two tail groups; the bound at version 1 (4 accepted) admits no more
