@@ -108,4 +108,8 @@ def test_kill_9_of_a_separate_async_run_then_resume(tiny_path, tmp_path):
     client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("relayrl").experiment_id])
     assert run.info.run_id == (run_dir / "mlruns" / "run_id").read_text()
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2, 3, 4, 5, 6]
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    # every step, in order; a step the killed attempt logged after its last complete checkpoint comes again from the
+    # resumed one (mlflow keeps what reached it; metrics.jsonl, which relayrl owns, holds each step once: above)
+    assert sorted(set(steps)) == [1, 2, 3, 4, 5, 6] and steps == sorted(steps)
+    assert all(steps.count(n) <= 2 for n in steps)
