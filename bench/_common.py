@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
-from relayrl.common.utils import atomic_write_text  # noqa: E402 - after the path above
+from relayrl.common.files import atomic_write_text  # noqa: E402 - after the path above
 
 # Run a command as on an AVX2-only CPU: restricts ATen's and oneDNN's kernels (not MKL's sgemm, not vLLM's own).
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}

@@ -60,7 +60,7 @@ def step_memory(argv: list[str]) -> None:
     args = [x for x in a.train_args if x != "--"]
     import relayrl.run.loop as loop
     from relayrl.cli import main as cli_main
-    from relayrl.common.utils import heap_gb
+    from relayrl.common.memory import heap_gb
 
     rows, perf = [], loop._perf
 
@@ -113,7 +113,7 @@ class Trace:
 def run_side(a) -> dict:
     import relayrl.run.loop  # noqa: F401 - everything the CLI imports
     import relayrl.trainer.engine as engine_module
-    from relayrl.common.utils import trim_memory, tune_allocator
+    from relayrl.common.memory import trim_memory, tune_allocator
     from relayrl.config.schema import load_run_config
     from relayrl.run.build import build
 

@@ -148,7 +148,7 @@ def _step(spec: dict, cfg, parts, sampler, rng: random.Random, step: int, trim) 
     """One colocated GRPO step: rollout, release the engine's memory, fit, weight sync; times and RSS."""
     from _common import rss_bytes
 
-    from relayrl.common.utils import release_openmp_threads
+    from relayrl.common.threads import release_openmp_threads
     from relayrl.engine.base import SamplingParams
 
     train_ctl, rollout_ctl, engine = parts

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import _common
 
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 
 # What the run without the tool changes: one turn, no tool, the worked examples answered directly.
 NO_TOOL = ["agent.kind=single_turn", "agent.kwargs={}", "data.train.kwargs.shots=answer",

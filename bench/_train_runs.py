@@ -65,7 +65,7 @@ def _vm_gb(key: str) -> float:
 
 def settings_side(a) -> dict:
     import relayrl.run.loop  # noqa: F401 - everything the CLI imports
-    from relayrl.common.utils import trim_memory, tune_allocator
+    from relayrl.common.memory import trim_memory, tune_allocator
     from relayrl.config.schema import load_run_config
     from relayrl.run.build import build
 
@@ -171,7 +171,7 @@ def profile_fit(overrides: list[str]) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     import relayrl.run.loop  # noqa: F401 - everything the CLI imports
-    from relayrl.common.utils import trim_memory, tune_allocator
+    from relayrl.common.memory import trim_memory, tune_allocator
     from relayrl.config.schema import load_run_config
     from relayrl.run.build import build
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import _common
 
 from relayrl.common.device import device_memory_bytes, resolve_device
-from relayrl.common.utils import checkpointing_on, import_from_path
+from relayrl.common.imports import import_from_path
+from relayrl.common.memory import checkpointing_on
 from relayrl.config.schema import Config
 from relayrl.data import load_rows
 from relayrl.data.datasets import system_and_suffix

@@ -25,7 +25,7 @@ from pathlib import Path
 import _common
 from _tool_learning import tool_learning
 
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.config.presets import PRESETS
 from relayrl.tracking.plot import plot_run
 

@@ -77,7 +77,7 @@ def run_relayrl(a) -> dict:
     import torch
 
     import relayrl.run.loop  # noqa: F401  - everything the CLI imports, before the runtime figure is taken
-    from relayrl.common.utils import trim_memory
+    from relayrl.common.memory import trim_memory
     from relayrl.config.schema import load_run_config
     from relayrl.run.build import build
     from relayrl.run.evaluator import rollout_metrics

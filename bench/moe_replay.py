@@ -18,7 +18,7 @@ from pathlib import Path
 
 import _common
 
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.models.tiny import build_tiny_model
 
 KEYS = ("train/routing_agreement", "train/logprob_diff_engine_replay", "train/logprob_diff_engine_noreplay")

@@ -220,10 +220,10 @@ def run_config(a, overrides: list[str]):
 
 def plan(a, hf_config: dict, params: int, shape: dict, overrides: list[str], mem_total: int) -> dict:
     """The memory estimate of a run and, when it cannot run, why."""
-    from relayrl.common.utils import checkpointing_on
+    from relayrl.common.memory import checkpointing_on
 
     cfg = run_config(a, overrides)
-    per_param = 8 if cfg.model.train_dtype == "bfloat16" else 16  # relayrl.common.utils.training_floor
+    per_param = 8 if cfg.model.train_dtype == "bfloat16" else 16  # relayrl.common.memory.training_floor
     gc = checkpointing_on(cfg.model.gradient_checkpointing, per_param * params, mem_total)  # as the trainer will
     est = memory_estimate(hf_config, params, shape, cfg.train.micro_batch_tokens, gc, per_param)
     avail = meminfo()["MemAvailable"]

@@ -32,7 +32,8 @@ import _tta_trl  # TRL itself loads only in the TRL side's subprocess
 import torch
 from _common import descendants
 
-from relayrl.common.utils import InputError, read_jsonl
+from relayrl.common.errors import InputError
+from relayrl.common.files import read_jsonl
 from relayrl.config.loader import ConfigError
 from relayrl.config.schema import load_run_config
 from relayrl.run.precision import resolve_precision

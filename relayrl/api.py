@@ -25,15 +25,9 @@ from typing import Any
 
 import cloudpickle
 
-from relayrl.common.utils import (
-    PICKLE_SCHEME,
-    InputError,
-    atomic_write_bytes,
-    atomic_write_text,
-    import_from_path,
-    module_level_path,
-    read_jsonl,
-)
+from relayrl.common.errors import InputError
+from relayrl.common.files import atomic_write_bytes, atomic_write_text, read_jsonl
+from relayrl.common.imports import PICKLE_SCHEME, import_from_path, module_level_path
 from relayrl.config.loader import ConfigError
 from relayrl.config.schema import Config, DatasetConfig, load_run_config
 from relayrl.run.build import INPUTS, discard_new_run, new_run_dir

@@ -21,7 +21,9 @@ import yaml
 
 from relayrl import __version__
 from relayrl.common import logs
-from relayrl.common.utils import InputError, atomic_write_text, install_hint, tune_allocator
+from relayrl.common.errors import InputError, install_hint
+from relayrl.common.files import atomic_write_text
+from relayrl.common.memory import tune_allocator
 from relayrl.config import ConfigError, to_dict
 from relayrl.config.docs import describe
 from relayrl.config.schema import Config, load_run_config

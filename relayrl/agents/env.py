@@ -32,7 +32,7 @@ from typing import Any
 from relayrl.agents.base import Agent
 from relayrl.agents.chat import continuation_ids, end_of_turn_id
 from relayrl.agents.reflection import turn_returns
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.envs.base import EnvError, Message, as_messages, as_step, call_env, has_close, resolve_env, where
 from relayrl.judge import REJECTED_PREFIX
 from relayrl.sample import Sample, Status

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from relayrl.agents.base import Agent
 from relayrl.agents.openai_agent import RecordingBackend, Session, finish_session
-from relayrl.common.utils import InputError, install_hint
+from relayrl.common.errors import InputError, install_hint
 from relayrl.sample import Sample
 
 if TYPE_CHECKING:  # the proxy serves with uvicorn, the serve extra: imported when the first episode starts

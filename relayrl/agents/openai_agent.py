@@ -27,7 +27,7 @@ import openai
 from relayrl.agents.base import Agent
 from relayrl.agents.chat import continuation_ids, end_of_turn_id
 from relayrl.agents.reflection import turn_returns
-from relayrl.common.utils import import_from_path
+from relayrl.common.imports import import_from_path
 from relayrl.engine.base import GenOutput, SamplingParams, TokenCallback
 from relayrl.engine.stops import cut_at_stop
 from relayrl.judge import REJECTED_PREFIX

@@ -51,7 +51,7 @@ from typing import Any
 
 from relayrl.agents.base import Agent
 from relayrl.agents.chat import continuation_ids, end_of_turn_id
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.judge import REJECTED_PREFIX
 from relayrl.judge.math import final_answer
 from relayrl.sample import Sample, Status

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from relayrl.agents.external import ExternalAgent
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 
 RUNNER = Path(__file__).resolve().parents[1] / "envs" / "verifiers_runner.py"
 PYTHON = ".venv-verifiers/bin/python"

@@ -32,7 +32,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from relayrl.common.utils import cache_dir
+from relayrl.common.files import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import logging
 import re
 from typing import TYPE_CHECKING
 
-from relayrl.common.utils import mem_total_bytes
+from relayrl.common.memory import mem_total_bytes
 
 if TYPE_CHECKING:  # torch is imported where it is used: the config schema validates settings without it
     import torch

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from relayrl.common.utils import atomic_write_text, cache_dir
+from relayrl.common.files import atomic_write_text, cache_dir
 
 logger = logging.getLogger(__name__)
 

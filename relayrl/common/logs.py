@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Iterator
 
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 
 ENV = "RELAYRL_LOG_LEVEL"
 LEVELS = ("debug", "info", "warning", "error")

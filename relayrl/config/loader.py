@@ -31,7 +31,8 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
-from relayrl.common.utils import atomic_write_text, import_from_path
+from relayrl.common.files import atomic_write_text
+from relayrl.common.imports import import_from_path
 
 T = TypeVar("T")
 PresetsHook = Callable[[dict[str, Any]], Mapping[str, Any]]

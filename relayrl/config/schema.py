@@ -36,7 +36,7 @@ class ModelConfig:
     autocast_bf16: bool | Literal["auto"] = "auto"
     # recompute each layer in backward: activations of one layer, ~30% more compute; auto: on when the training
     # floor (16 bytes per trainable fp32 parameter, 8 per bf16 one) is at least a fifth of the trainer device's
-    # memory (relayrl.common.utils)
+    # memory (relayrl.common.memory)
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     # what a checkpointed layer keeps instead of recomputing (relayrl.trainer.checkpointing): nothing; mlp = the MLP's
     # gate/up outputs (2/3 of the recompute's matmul work, 2 x intermediate values per token and layer); matmuls =

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from relayrl.common.utils import install_hint
+from relayrl.common.errors import install_hint
 from relayrl.config.loader import check
 
 TRACKERS = ("tensorboard", "jsonl", "wandb", "mlflow")

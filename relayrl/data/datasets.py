@@ -21,7 +21,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from relayrl.common.utils import InputError, import_from_path
+from relayrl.common.errors import InputError
+from relayrl.common.imports import import_from_path
 from relayrl.config.loader import decode_utf8
 from relayrl.config.schema import DatasetConfig, PromptConfig
 from relayrl.data.fields import map_row, row_function

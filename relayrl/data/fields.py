@@ -10,7 +10,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.config.loader import ConfigError, import_named
 from relayrl.config.schema import DatasetConfig
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.config.schema import DatasetConfig
 from relayrl.data.images import IMAGES, content_text, read_images, with_image_parts
 

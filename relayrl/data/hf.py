@@ -28,7 +28,7 @@ from datasets import (
     load_from_disk,
 )
 
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.config.schema import DatasetConfig
 from relayrl.models.hub import hf_home, hub_dataset_id, hub_snapshot
 

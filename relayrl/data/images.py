@@ -19,7 +19,7 @@ from typing import Any
 
 from PIL import Image
 
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.models.images import decode_image
 
 IMAGES = "images"  # the row field holding the prompt's image files, once loaded

@@ -45,7 +45,7 @@ import torch
 from safetensors.torch import load_file
 
 from relayrl.common.device import avoid_cudnn_attention, model_device
-from relayrl.common.utils import release_openmp_threads
+from relayrl.common.threads import release_openmp_threads
 from relayrl.engine import attention, direct, routing, skinny
 from relayrl.engine import linear as engine_linear
 from relayrl.engine.base import GenOutput, InferenceEngine, SamplingParams, TokenCallback

@@ -27,8 +27,9 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, Protocol
 
+from relayrl.common.errors import InputError
+from relayrl.common.imports import import_from_path
 from relayrl.common.threads import in_thread
-from relayrl.common.utils import InputError, import_from_path
 
 Message = dict[str, Any]  # {"role": ..., "content": str, ...}: what a chat template takes
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from relayrl.common.utils import install_hint
+from relayrl.common.errors import install_hint
 
 try:
     import textarena

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from relayrl.common.utils import import_from_path
+from relayrl.common.imports import import_from_path
 
 ROW, BATCHED = "row", "batched"
 TRL_ARGS = ("prompts", "completions", "completion_ids")  # what TRL passes besides the columns

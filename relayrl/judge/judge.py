@@ -32,7 +32,7 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from relayrl.common.utils import import_from_path, module_level_path
+from relayrl.common.imports import import_from_path, module_level_path
 from relayrl.judge.batch import BatchScorer, Coalescer, Request
 from relayrl.judge.functions import (
     ROW,

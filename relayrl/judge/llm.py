@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from relayrl.common.utils import atomic_write_text
+from relayrl.common.files import atomic_write_text
 from relayrl.judge.functions import is_conversational
 from relayrl.judge.slots import Slots
 

@@ -55,7 +55,7 @@ from collections import deque
 from typing import Any
 
 from relayrl.common import logs
-from relayrl.common.utils import import_from_path
+from relayrl.common.imports import import_from_path
 
 
 class RemoteError(Exception):

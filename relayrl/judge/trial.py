@@ -20,7 +20,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.judge.functions import BATCHED, RewardFunction, RewardRejected, batch_arguments, batch_values
 from relayrl.judge.pool import RemoteError, TimeoutPool, WorkerCrashed
 

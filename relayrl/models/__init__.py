@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from relayrl.common.utils import cache_dir
+from relayrl.common.files import cache_dir
 from relayrl.models.aliases import MODEL_ALIASES
 
 _HOMES = {"DTYPES": "loading", "eos_token_ids": "loading", "load_model": "loading", "load_tokenizer": "loading",

@@ -17,7 +17,7 @@ import warnings
 
 from PIL import Image, UnidentifiedImageError
 
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 
 MAX_PIXELS = 4096 * 4096  # width x height of one image; a VLM's processor downsizes far below this anyway
 MAX_BYTES = 32 * 2**20  # one image file

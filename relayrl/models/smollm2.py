@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from relayrl.common.utils import cache_dir
+from relayrl.common.files import cache_dir
 from relayrl.models.store import atomic_build, is_complete, make_portable
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"

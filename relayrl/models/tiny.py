@@ -20,7 +20,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from relayrl.common.utils import cache_dir
+from relayrl.common.files import cache_dir
 from relayrl.models.store import CHATML_TEMPLATE, atomic_build, make_portable
 
 ARCHS = ("qwen2", "llama", "qwen3_moe")

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForImageTextToText, GenerationConfig, Idefics3Config, Idefics3Processor
 from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-from relayrl.common.utils import cache_dir
+from relayrl.common.files import cache_dir
 from relayrl.models.store import atomic_build, make_portable
 from relayrl.models.tiny import _train_tiny_tokenizer
 

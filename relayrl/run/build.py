@@ -17,8 +17,10 @@ import torch
 
 from relayrl.agents import AGENTS, Agent
 from relayrl.common.device import device_memory_bytes, resolve_device
+from relayrl.common.errors import InputError
+from relayrl.common.files import check_writable
+from relayrl.common.memory import fit_allocator_to, tune_allocator
 from relayrl.common.net import free_port
-from relayrl.common.utils import InputError, check_writable, fit_allocator_to, tune_allocator
 from relayrl.config import ConfigError, dump_yaml, import_named
 from relayrl.config.schema import Config
 from relayrl.data import DataManager, PromptBuilder, load_rows
@@ -439,7 +441,7 @@ def make_scheduler(cfg: Config, rollout_ctl: RolloutController) -> SyncScheduler
 
 def _memory_plan(cfg: Config, train_engine: TrainEngine) -> str:
     """Settle the allocator for this trainer and say, in one line, its floor and the memory settings in force (the
-    "auto" ones decided by relayrl.common.utils.memory_is_tight from the floor and the device's memory)."""
+    "auto" ones decided by relayrl.common.memory.memory_is_tight from the floor and the device's memory)."""
     floor = train_engine.floor_bytes  # FSDP: the whole model's (its ranks share this machine's RAM)
     total = device_memory_bytes(train_engine.device)
     share = f" = {floor / total:.0%} of {total / 1e9:.1f} GB" if total else ""

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from relayrl.common.utils import atomic_write_text, check_writable
+from relayrl.common.files import atomic_write_text, check_writable
 from relayrl.config import ConfigError, dump_yaml, flatten, to_dict
 from relayrl.config.loader import read_yaml
 from relayrl.config.schema import Config

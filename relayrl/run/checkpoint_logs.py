@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from relayrl.common.utils import atomic_write_bytes
+from relayrl.common.files import atomic_write_bytes
 from relayrl.run.lock import LOCK_FILE
 
 SUPERSEDED = "superseded"

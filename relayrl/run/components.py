@@ -8,7 +8,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relayrl.common.utils import close_all
+from relayrl.common.errors import close_all
 from relayrl.config.schema import Config
 from relayrl.data.manager import DataManager
 from relayrl.engine.rollout import RolloutController

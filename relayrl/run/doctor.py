@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from relayrl.common import cbuild, hardware
-from relayrl.common.utils import cache_dir
+from relayrl.common.files import cache_dir
 
 _FLAGS_SHOWN = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 _KERNELS = {"decode_attention": "relayrl.engine.attention", "decode_ops": "relayrl.engine.direct",

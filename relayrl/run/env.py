@@ -18,7 +18,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from relayrl.agents.base import Agent
-from relayrl.common.utils import release_openmp_threads
+from relayrl.common.threads import release_openmp_threads
 from relayrl.data.manager import DataManager
 from relayrl.scheduler import AsyncScheduler, SyncScheduler
 

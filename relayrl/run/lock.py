@@ -24,7 +24,7 @@ import socket
 import time
 from pathlib import Path
 
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 
 LOCK_FILE = ".lock"
 

@@ -12,7 +12,8 @@ import time
 from tqdm import tqdm
 
 from relayrl.common.device import resolve_device
-from relayrl.common.utils import memory_gb, read_jsonl, trim_memory
+from relayrl.common.files import read_jsonl
+from relayrl.common.memory import memory_gb, trim_memory
 from relayrl.config.schema import Config
 from relayrl.run import checkpoint
 from relayrl.run.build import build, build_follower

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from relayrl.common.errors import install_hint
 from relayrl.common.net import free_port
-from relayrl.common.utils import install_hint
 from relayrl.config.schema import Config
 from relayrl.run.launcher import make_server
 

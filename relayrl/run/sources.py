@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from relayrl.agents.base import Agent
-from relayrl.common.utils import close_all, trim_memory
+from relayrl.common.errors import close_all
+from relayrl.common.memory import trim_memory
 from relayrl.config.schema import Config
 from relayrl.data.manager import DataManager
 from relayrl.engine.base import InferenceEngine

@@ -8,7 +8,8 @@ from collections import Counter
 from collections.abc import Callable
 
 from relayrl.agents.base import Agent
-from relayrl.common.utils import InputError, import_from_path
+from relayrl.common.errors import InputError
+from relayrl.common.imports import import_from_path
 from relayrl.judge import REJECTED_PREFIX, reward_problem
 from relayrl.sample import Sample, Status
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from PIL import Image
 
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.models.images import MAX_PIXELS, decode_image
 from relayrl.models.vision import load_processor
 from relayrl.serve.errors import BadRequest

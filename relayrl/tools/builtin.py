@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.tools.sandbox import SandboxMode, check_sandbox, run_python, set_max_concurrent
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.tools import Tool
 
 Call = dict[str, Any] | str  # a parsed call, or an error message for the model

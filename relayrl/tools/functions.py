@@ -22,8 +22,9 @@ from typing import Any
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
+from relayrl.common.errors import InputError
+from relayrl.common.imports import import_from_path
 from relayrl.common.threads import in_thread
-from relayrl.common.utils import InputError, import_from_path
 from relayrl.tools.builtin import BUILTIN_TOOLS, Tool, ToolError
 
 MAX_RESULT_CHARS = 16_000  # a result longer than this is cut: it goes into the model's context

@@ -25,7 +25,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from relayrl.common.utils import InputError, install_hint
+from relayrl.common.errors import InputError, install_hint
 from relayrl.tools.builtin import Tool, ToolError
 
 if TYPE_CHECKING:  # the SDK is an optional extra (relayrl[agents]), imported where a server is used

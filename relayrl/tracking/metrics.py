@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from relayrl.common.utils import close_all
+from relayrl.common.errors import close_all
 from relayrl.config import to_dict
 from relayrl.config.trackers import DEFAULT_TRACKERS, WandbConfig
 from relayrl.tracking.trackers import active_trackers, make_trackers

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 
 PNG = "reward.png"  # a run's curves, in its folder: drawn at the end of the run and by `relayrl plot RUN_DIR`
 

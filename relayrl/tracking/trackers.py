@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from relayrl.common.utils import append_jsonl, atomic_write_text
+from relayrl.common.files import append_jsonl, atomic_write_text
 from relayrl.config import flatten
 from relayrl.config.trackers import WANDB_ENV_MODES, WandbConfig
 

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from relayrl.common.utils import append_jsonl, read_jsonl
+from relayrl.common.files import append_jsonl, read_jsonl
 from relayrl.sample import Sample
 
 DIM, YELLOW, GREEN, RED = "\033[2m", "\033[33m", "\033[32m", "\033[31m"

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from relayrl.common.device import avoid_cudnn_attention, device_memory_bytes, model_device
-from relayrl.common.utils import checkpointing_on, training_floor, trim_memory
+from relayrl.common.memory import checkpointing_on, training_floor, trim_memory
 from relayrl.models import fused, load_model
 from relayrl.models.attention import install as install_attention
 from relayrl.models.attention import segments_pay_off
@@ -47,8 +47,8 @@ class TrainEngine:
                  weight_decay: float = 0.0, grad_clip: float = 1.0, temperature: float = 1.0,
                  autocast_bf16: bool = False, gradient_checkpointing: bool | str = False,
                  optimizer_state_dtype: str = "float32", checkpoint_saves: Saves = "nothing"):
-        """gradient_checkpointing "auto": on when the training floor (relayrl.common.utils.training_floor) is a large
-        share of the device's memory (relayrl.common.utils.checkpointing_on); the choice is `gradient_checkpointing`.
+        """gradient_checkpointing "auto": on when the training floor (relayrl.common.memory.training_floor) is a large
+        share of the device's memory (relayrl.common.memory.checkpointing_on); the choice is `gradient_checkpointing`.
         checkpoint_saves: what checkpointed layers keep for backward (relayrl.trainer.checkpointing)."""
         self.model = model
         self.device = model_device(model)

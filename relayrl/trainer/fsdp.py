@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from relayrl.common.device import device_memory_bytes
-from relayrl.common.utils import checkpointing_on, training_floor
+from relayrl.common.memory import checkpointing_on, training_floor
 from relayrl.models.attention import install as install_attention
 from relayrl.models.attention import segments_pay_off
 from relayrl.trainer.algo import reduce_stats

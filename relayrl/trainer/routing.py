@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.models.moe import is_moe
 from relayrl.trainer.engine import TrainEngine
 from relayrl.trainer.packer import TrainBatch

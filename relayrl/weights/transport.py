@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from relayrl.common.utils import atomic_write_text
+from relayrl.common.files import atomic_write_text
 from relayrl.models.store import atomic_build
 from relayrl.weights.weight_group import WeightGroup
 

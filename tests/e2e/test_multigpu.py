@@ -17,8 +17,8 @@ import torch
 from bounds import bound
 from conftest import TESTS, write_sums
 
+from relayrl.common.files import read_jsonl
 from relayrl.common.net import free_port
-from relayrl.common.utils import read_jsonl
 from relayrl.engine import LocalEngine, SamplingParams
 from relayrl.models import load_model
 from relayrl.weights.weight_group import WeightGroup

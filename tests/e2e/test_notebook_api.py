@@ -15,7 +15,8 @@ from conftest import TINY_RUN
 
 import relayrl
 from relayrl import TrainResult, api, train
-from relayrl.common.utils import InputError, import_from_path
+from relayrl.common.errors import InputError
+from relayrl.common.imports import import_from_path
 
 ROWS = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(6)]
 

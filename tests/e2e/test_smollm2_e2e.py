@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 import torch
 
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine

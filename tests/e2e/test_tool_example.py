@@ -11,7 +11,7 @@ from engines_for_tests import memorize
 
 from relayrl.agents.tool import ToolAgent
 from relayrl.cli import main
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.config.schema import DatasetConfig, load_run_config
 from relayrl.data.datasets import load_rows
 from relayrl.engine.base import SamplingParams

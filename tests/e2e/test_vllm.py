@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.engine import LocalEngine, RemoteEngine, SamplingParams
 from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path

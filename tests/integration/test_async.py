@@ -18,7 +18,7 @@ from conftest import TESTS, default_sigint, tiny_run_args, write_sums
 from engines_for_tests import HaltingEngine
 from sandbox_helpers import UNAVAILABLE
 
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.rollout import RolloutController

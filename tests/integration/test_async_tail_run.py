@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from conftest import tiny_run_args, write_sums
 
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.run.build import build
 from relayrl.run.loop import train_async

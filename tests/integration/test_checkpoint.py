@@ -17,7 +17,7 @@ from bounds import bound
 from conftest import TESTS, tiny_run_args, write_sums
 from transformers import AutoModelForCausalLM
 
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.config import ConfigError
 from relayrl.config.schema import load_run_config
 from relayrl.data import DataManager

@@ -11,7 +11,7 @@ import torch
 import yaml
 from engines_for_tests import rollout
 
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.config.schema import AlgoConfig, TrainConfig
 from relayrl.models import load_model
 from relayrl.run.build import build

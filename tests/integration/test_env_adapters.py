@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.envs import check_env_class
 from relayrl.run.loop import train
 

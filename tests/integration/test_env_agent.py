@@ -13,7 +13,8 @@ from envs_for_tests import ClosingEnv, EchoEnv, ParityEnv
 from relayrl.agents.chat import continuation_ids
 from relayrl.agents.env import EnvAgent
 from relayrl.agents.reflection import ReflectionAgent
-from relayrl.common.utils import InputError, read_jsonl
+from relayrl.common.errors import InputError
+from relayrl.common.files import read_jsonl
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.engine.rollout import RolloutController

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from relayrl.cli import main
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.models import load_model
 from relayrl.run.evaluator import Evaluator, majority_correct, pass_at_k

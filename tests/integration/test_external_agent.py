@@ -16,7 +16,8 @@ from conftest import TESTS
 
 from relayrl.agents import ExternalAgent
 from relayrl.agents.openai_agent import Session
-from relayrl.common.utils import InputError, read_jsonl
+from relayrl.common.errors import InputError
+from relayrl.common.files import read_jsonl
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.engine.rollout import RolloutController

@@ -13,7 +13,7 @@ import torch
 from bounds import bound
 from conftest import TESTS, write_sums
 
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.models import load_model
 
 

@@ -15,7 +15,7 @@ from bounds import bound
 from conftest import TESTS, write_sums
 
 from relayrl.cli import main
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.models import load_model
 
 

@@ -17,7 +17,7 @@ import datasets
 import pandas as pd
 import pytest
 
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.config import ConfigError
 from relayrl.config.schema import DatasetConfig, load_run_config
 from relayrl.data import find_gsm8k, load_rows

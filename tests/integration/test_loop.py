@@ -12,7 +12,7 @@ from conftest import TESTS, USER_OUTPUTS, tiny_run_args, write_sums
 from sandbox_helpers import UNAVAILABLE
 
 from relayrl.cli import main
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.run.build import build
 from relayrl.run.loop import train, train_colocated

@@ -18,7 +18,7 @@ from test_separate import run_separate
 from transformers import AutoModelForCausalLM
 
 from relayrl.cli import main
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.config import ConfigError
 from relayrl.config.schema import AlgoConfig, ModelConfig, TrainConfig
 from relayrl.engine.base import SamplingParams

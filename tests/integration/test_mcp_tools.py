@@ -21,8 +21,8 @@ from engines_for_tests import memorize
 
 from relayrl.agents.tool import ToolAgent
 from relayrl.cli import main
+from relayrl.common.errors import InputError
 from relayrl.common.net import free_port
-from relayrl.common.utils import InputError
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.engine.rollout import RolloutController

@@ -7,7 +7,7 @@ from pathlib import Path
 from conftest import TINY_RUN, write_sums
 
 from relayrl.cli import main
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.run import checkpoint
 from relayrl.run.build import build

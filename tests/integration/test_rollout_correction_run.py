@@ -6,7 +6,7 @@ import pytest
 from conftest import tiny_run_args, write_sums
 
 from relayrl.cli import main
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.run.precision import resolve_precision
 

@@ -22,7 +22,7 @@ from conftest import tiny_run_args, write_sums
 from safetensors.torch import load_file, save_file
 
 from relayrl.cli import main
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.config.schema import load_run_config
 from relayrl.judge.pool import OUTPUT_LIMIT
 from relayrl.run import checkpoint

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from sandbox_helpers import needs_sandbox, run
 
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.tools import bwrap, python_tool, run_python, sandbox
 from relayrl.tools.bwrap import FILES_PER_MOUNT, WRITABLE, ready
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_async import batches, cfg_for, data  # noqa: F401 - fixtures
 
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.run.build import build
 from relayrl.run.loop import train_async, train_colocated
 from relayrl.tracking.trajectories import load_trajectories

@@ -17,7 +17,7 @@ from conftest import TESTS, tiny_run_args, write_sums
 from test_trackers import needs
 from transformers import AutoModelForCausalLM
 
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.run import checkpoint
 from relayrl.run.build import build

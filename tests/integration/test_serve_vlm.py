@@ -20,7 +20,7 @@ from serve_for_tests import Server
 
 from relayrl.agents.reflection import ReflectionAgent
 from relayrl.cli import main
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.engine.remote import RemoteEngine

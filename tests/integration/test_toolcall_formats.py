@@ -13,7 +13,7 @@ from engines_for_tests import memorize
 from relayrl.agents.chat import continuation_ids
 from relayrl.agents.tool import ToolAgent
 from relayrl.cli import main
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.engine.rollout import RolloutController

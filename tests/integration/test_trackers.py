@@ -16,7 +16,8 @@ import pytest
 from conftest import TESTS, write_sums
 
 from relayrl.cli import main
-from relayrl.common.utils import install_hint, read_jsonl
+from relayrl.common.errors import install_hint
+from relayrl.common.files import read_jsonl
 from relayrl.config import flatten
 from relayrl.config.schema import load_run_config
 from relayrl.config.trackers import PACKAGES

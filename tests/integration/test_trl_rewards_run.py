@@ -7,7 +7,7 @@ import pytest
 import trl_rewards_for_tests as trl
 
 from relayrl.api import train
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 
 
 def test_a_run_trains_on_weighted_trl_rewards_and_logs_each(tiny_run):

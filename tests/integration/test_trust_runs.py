@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_checkpoint import args_for, train_rows
 
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.config import ConfigError
 from relayrl.config.schema import load_run_config
 from relayrl.judge import WorkerCrashed

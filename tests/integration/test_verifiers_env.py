@@ -10,7 +10,8 @@ import pytest
 from conftest import TESTS
 
 from relayrl.agents import VerifiersAgent
-from relayrl.common.utils import InputError, read_jsonl
+from relayrl.common.errors import InputError
+from relayrl.common.files import read_jsonl
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.engine.rollout import RolloutController

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import TESTS, tiny_run_args
 
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.models import eos_token_ids, load_model, load_tokenizer
 from relayrl.run.loop import train

@@ -11,7 +11,7 @@ from conftest import TINY_RUN
 from safetensors.torch import load_file
 
 from relayrl.cli import main
-from relayrl.common.utils import read_jsonl
+from relayrl.common.files import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.models.vision import load_processor
 from relayrl.run import checkpoint

@@ -19,8 +19,8 @@ import torch
 from bounds import bound
 from conftest import relayrl_servers, write_sums
 
+from relayrl.common.files import read_jsonl
 from relayrl.common.net import free_port
-from relayrl.common.utils import read_jsonl
 from relayrl.config.loader import ConfigError
 from relayrl.config.schema import load_run_config
 from relayrl.engine import LocalEngine, RemoteEngine, SamplingParams

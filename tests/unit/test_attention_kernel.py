@@ -123,7 +123,7 @@ def test_a_compiler_failure_is_a_warning_not_an_error(tmp_path, monkeypatch, cap
 RELEASE_SCRIPT = r"""
 import os, threading, time
 import torch
-from relayrl.common.utils import release_openmp_threads
+from relayrl.common.threads import release_openmp_threads
 
 def threads():
     return len(os.listdir("/proc/self/task"))

@@ -8,7 +8,8 @@ from conftest import tiny_run_args
 
 from relayrl.agents.tool import ToolAgent
 from relayrl.cli import main
-from relayrl.common.utils import InputError, read_jsonl
+from relayrl.common.errors import InputError
+from relayrl.common.files import read_jsonl
 from relayrl.config.schema import DatasetConfig, PromptConfig, load_run_config
 from relayrl.data import DataManager, PromptBuilder, load_rows
 from relayrl.data.datasets import BOXED_SUFFIX

@@ -23,7 +23,7 @@ import pytest
 from bounds import bound
 
 from relayrl.common import cbuild
-from relayrl.common.utils import cache_dir
+from relayrl.common.files import cache_dir
 from relayrl.engine import attention, direct, skinny
 from relayrl.models import fused, segments
 from relayrl.trainer import optim

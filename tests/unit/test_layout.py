@@ -20,7 +20,7 @@ LATE = {
     "relayrl.config.schema": {"relayrl.models", "relayrl.models.hub"},  # torch/transformers only when checking
     "relayrl.config.docs": {"relayrl.config.schema"},  # its __main__ block
     "relayrl.common.device": {"torch"},
-    "relayrl.common.utils": {"torch"},
+    "relayrl.common.threads": {"torch"},  # release_openmp_threads: libgomp is torch's
     "relayrl.data.datasets": {"reasoning_gym", "relayrl.data"},  # optional task generators; HF datasets (slow)
     "relayrl.tracking.plot": {"matplotlib", "matplotlib.pyplot"},
     "relayrl.tracking.trackers": {"wandb", "mlflow", "torch.utils.tensorboard"},  # the trackers extra

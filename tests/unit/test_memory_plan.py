@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import relayrl.trainer.engine as trainer_engine
-from relayrl.common.utils import TIGHT_FLOOR_SHARE, memory_is_tight
+from relayrl.common.memory import TIGHT_FLOOR_SHARE, memory_is_tight
 from relayrl.config.schema import load_run_config
 from relayrl.models import load_model
 from relayrl.run.build import _memory_plan

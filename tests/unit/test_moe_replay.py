@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.models import load_model

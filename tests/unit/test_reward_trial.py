@@ -15,7 +15,7 @@ import trl_rewards_for_tests as trl
 from conftest import tiny_run_args, write_sums
 
 from relayrl.cli import main
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.judge import Judge
 from relayrl.sample import Sample
 

@@ -18,7 +18,7 @@ import pytest
 from bounds import bound
 
 from relayrl.cli import main
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.config import ConfigError
 from relayrl.config.loader import MAX_ALIASES, MAX_DEPTH, read_yaml
 from relayrl.config.schema import load_run_config

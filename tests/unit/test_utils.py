@@ -1,4 +1,4 @@
-"""relayrl.common.utils helpers that the rest of the package leans on."""
+"""relayrl.common helpers (files, imports, errors, memory, threads) that the rest of the package leans on."""
 
 import os
 import subprocess
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.common.utils import close_all, heap_gb
+from relayrl.common.errors import close_all
+from relayrl.common.memory import heap_gb
 
 
 def test_close_all_closes_every_part_and_raises_the_first_failure():
@@ -30,7 +31,7 @@ def test_close_all_closes_every_part_and_raises_the_first_failure():
 
 ARENA_PROBE = """
 import ctypes, threading
-from relayrl.common.utils import tune_allocator
+from relayrl.common.memory import tune_allocator
 tune_allocator()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
@@ -61,7 +62,7 @@ def test_tune_allocator_keeps_every_thread_on_one_malloc_arena():
 
 THP_PROBE = """
 import os, sys
-from relayrl.common.utils import tune_allocator
+from relayrl.common.memory import tune_allocator
 tune_allocator()
 import torch
 x = torch.empty(16 << 20, dtype=torch.uint8)
@@ -103,7 +104,7 @@ def test_a_fixed_mmap_threshold_brings_huge_pages_for_torch_tensors():
 
 ONEDNN_PROBE = r"""
 import sys
-from relayrl.common.utils import heap_gb, tune_allocator
+from relayrl.common.memory import heap_gb, tune_allocator
 if sys.argv[1] == "bound":
     tune_allocator()  # what `relayrl train` and build() call first
 import torch
@@ -144,7 +145,7 @@ def test_bf16_matmul_kernel_caches_stay_bounded_as_shapes_vary():
 
 HEAP_PROBE = """
 import sys
-from relayrl.common.utils import fit_allocator_to
+from relayrl.common.memory import fit_allocator_to
 import torch
 big = torch.empty(16 << 20, dtype=torch.uint8)
 big.fill_(1)
@@ -174,7 +175,7 @@ def test_the_mmap_threshold_is_fixed_only_when_the_training_floor_is_a_large_sha
     """A 4 MB activation-sized block comes from the heap under glibc's risen threshold (where freed blocks are
     kept); with the floor at a fifth of the RAM or more, it gets its own mapping (returned when freed).
     RELAYRL_MMAP_THRESHOLD, when set (0 included), wins."""
-    from relayrl.common.utils import TIGHT_FLOOR_SHARE, mem_total_bytes
+    from relayrl.common.memory import TIGHT_FLOOR_SHARE, mem_total_bytes
 
     total = mem_total_bytes()
     assert total and total > 1 << 30

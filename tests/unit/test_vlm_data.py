@@ -10,7 +10,7 @@ import zlib
 import pytest
 from PIL import Image
 
-from relayrl.common.utils import InputError
+from relayrl.common.errors import InputError
 from relayrl.config.schema import DatasetConfig, PromptConfig, load_run_config
 from relayrl.data import DataManager, PromptBuilder, load_rows
 from relayrl.models.vision import load_processor
