@@ -145,7 +145,7 @@ def run_side(a) -> dict:
                 c.train_ctl.fit(batch)
                 fit_s.append(time.perf_counter() - t0)
                 trace.mark(f"step {step} fit end")
-                c.rollouts.push_weights(c.train_ctl)
+                c.rollouts.load_weights(c.train_ctl.weights())
                 trim_memory()
                 trace.mark(f"step {step} weight sync")
         finally:
@@ -165,7 +165,7 @@ def train_memory_trace(argv: list[str]) -> None:
     trainer's heap trims: what the trims buy and what they cost.
 
     Each side is a child process that builds the run from examples/arithmetic_grpo.yaml and steps it as
-    relayrl.run.loop.train_colocated does (rollout, release the engine's memory, fit, weight sync). Around every
+    relayrl.run.loop.train_steps does (rollout, release the engine's memory, fit, weight sync). Around every
     phase it reads VmRSS and the high-water mark since the previous mark (VmHWM, reset by writing 5 to
     /proc/self/clear_refs), so each row says how high memory went inside that phase. The "no_trim" side replaces
     relayrl.trainer.engine.trim_memory (called after each micro-batch's forward and backward) with a no-op; every

@@ -69,7 +69,7 @@ def malloc_trim() -> None:
 
 
 def _build(spec: dict, tmp: str):
-    """The config and the parts `relayrl.run.loop.train_colocated` builds, on a random-weight model."""
+    """The config and the parts `relayrl.run.loop.train_steps` builds, on a random-weight model."""
     import torch
     from transformers import AutoConfig
 
@@ -79,7 +79,7 @@ def _build(spec: dict, tmp: str):
     from relayrl.config.schema import load_run_config
     from relayrl.engine.rollout import RolloutController
     from relayrl.run.build import _train_controller, make_engines, shares_weights
-    from relayrl.run.precision import resolve_precision
+    from relayrl.run.resolve import resolve
 
     for module in (relayrl.run.build, relayrl.trainer.engine, relayrl.engine.local):  # random weights, real classes
         module.load_model = _random_load_model
@@ -89,7 +89,7 @@ def _build(spec: dict, tmp: str):
     over = [f"model.path={model_dir}", f"sampling.max_new_tokens={shape['new_tokens']}",
             f"data.group_size={max(2, shape['group'])}", f"data.batch_size={shape['prompts']}",
             f"run.output_dir={tmp}", *spec["overrides"]]
-    cfg = resolve_precision(load_run_config(None, over))
+    cfg = resolve(load_run_config(None, over))
     if cfg.run.threads:  # as relayrl.run.build.build does
         torch.set_num_threads(cfg.run.threads)
     train_ctl = _train_controller(cfg, str(model_dir), spec["hf_config"]["pad_token_id"])
@@ -97,7 +97,7 @@ def _build(spec: dict, tmp: str):
     engines = make_engines(cfg, str(model_dir), [spec["hf_config"]["eos_token_id"]], Path(tmp), [],
                            shared_model=shared)
     rollout_ctl = RolloutController(engines, partial_rollout=cfg.scheduler.partial_rollout)
-    train_ctl.sync_weights(rollout_ctl)  # the engine samples from the trainer's weights, as after a load
+    rollout_ctl.load_weights(train_ctl.weights())  # the engine samples from the trainer's weights, as after a load
     return cfg, train_ctl, rollout_ctl, engines[0]
 
 
@@ -175,7 +175,7 @@ def _step(spec: dict, cfg, parts, sampler, rng: random.Random, step: int, trim) 
     trim()
     sampler.phase = "weight_sync"
     t0 = time.perf_counter()
-    train_ctl.sync_weights(rollout_ctl)
+    rollout_ctl.load_weights(train_ctl.weights())
     sync_s = time.perf_counter() - t0
     trim()
     record = {"rollout_s": rollout_s, "train_s": train_s, "weight_sync_s": sync_s,

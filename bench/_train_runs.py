@@ -91,7 +91,7 @@ def settings_side(a) -> dict:
                 fit_s.append(round(time.perf_counter() - t0, 2))
                 peaks.append(round(_vm_gb("VmHWM"), 3))
                 tokens.append(int(metrics.get("train/tokens", 0)))
-                c.rollouts.push_weights(c.train_ctl)
+                c.rollouts.load_weights(c.train_ctl.weights())
                 trim_memory()
         finally:
             c.close()
@@ -124,7 +124,7 @@ def train_settings(argv: list[str]) -> None:
 
     Each side is a named list of config overrides (e.g. gradient checkpointing on or off, the micro-batch size).
     A side runs in its own child process, which builds the run from examples/arithmetic_grpo.yaml plus the side's
-    overrides and steps it as relayrl.run.loop.train_colocated does (rollout, release the engine's memory, fit,
+    overrides and steps it as relayrl.run.loop.train_steps does (rollout, release the engine's memory, fit,
     weight sync). It records each fit's wall time and the process's high-water mark during the fits only (VmHWM,
     reset before each fit by writing 5 to /proc/self/clear_refs). Sides alternate round by round; every side
     starts from the same weights, data and seeds, so the first step fits the same batch on every side.

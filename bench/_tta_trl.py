@@ -2,8 +2,8 @@
 steps by relayrl's own evaluator so that its pass@1 is measured exactly as the relayrl runs measure theirs.
 
 The evaluator is relayrl's eval role (`build(cfg, role="eval")`: a LocalEngine, the config's agent, judge, eval set
-and Evaluator). At each eval the TRL policy's weights are copied into that engine (`update_weights`, the call a
-relayrl weight sync makes), then `rollouts.evaluate()` runs: the same code path as a relayrl run's eval.
+and Evaluator). At each eval the TRL policy's weights are copied into that engine (`RolloutController.load_weights`,
+the call a relayrl weight sync makes), then `rollouts.evaluate()` runs: the same code path as a relayrl run's eval.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from relayrl.data.datasets import system_and_suffix
 from relayrl.data.formats import prompt_messages
 from relayrl.models import resolve_model_path
 from relayrl.run.build import build
-from relayrl.run.precision import resolve_precision
+from relayrl.run.resolve import resolve
+from relayrl.weights.snapshot import Weights
 
 
 def trl_dataset(cfg: Config):
@@ -109,7 +110,7 @@ class RelayEval:
 
     def __call__(self, model, step: int) -> dict[str, float]:
         model = getattr(model, "module", model)  # a wrapped model (DDP) keeps the HF names under .module
-        self.c.rollout_ctl.update_weights(model.named_parameters, step)
+        self.c.rollout_ctl.load_weights(Weights(model.named_parameters, step))
         t0 = time.perf_counter()
         metrics = self.c.rollouts.evaluate()
         metrics["time/eval_s"] = time.perf_counter() - t0
@@ -152,7 +153,7 @@ def run_trl(cfg: Config, every: int, micro_batch: int, should_stop: Callable[[li
     """Train with GRPOTrainer until should_stop or run.steps; returns the curve and the settings used."""
     from trl import GRPOTrainer  # optional heavy dependency (bench extra)
 
-    cfg = resolve_precision(cfg)
+    cfg = resolve(cfg)
     samples_per_step = cfg.data.batch_size * cfg.data.group_size
     with tempfile.TemporaryDirectory(prefix="tta_trl_") as tmp:
         evaluate = RelayEval(cfg, tmp)

@@ -4,7 +4,7 @@ The trainer side is this process: the policy's full weights (a full-parameter ru
 adapters at each `--ranks` (a LoRA run's sync: relayrl.trainer.lora's wire format, B set non-zero so the server's
 merge does real work). One `relayrl serve` (fp32, its own process) receives each through RemoteEngine, by disk
 (safetensors folder written by the trainer, then /update_weights_from_disk) and by broadcast (gloo process group,
-/update_weights_from_distributed). Timed: `RemoteEngine.update_weights`, from its call until the server answered that
+/update_weights_from_distributed). Timed: `RemoteEngine.load_weights`, from its call until the server answered that
 the new weights are in place (for disk: the write, the server's read, checks and load or merge). Reported per
 payload and way: the bytes sent, the median and min seconds over `--repeats` syncs (each a new version), and the
 adapter sync's speed-up over the full one. After the last adapter sync, the server's greedy tokens are checked
@@ -27,7 +27,7 @@ def _timed_syncs(engine, named: list, first_version: int, repeats: int) -> list[
     times = []
     for i in range(repeats):
         t0 = time.perf_counter()
-        engine.update_weights(iter(named), first_version + i)
+        engine.load_weights(iter(named), first_version + i)
         times.append(time.perf_counter() - t0)
     return times
 

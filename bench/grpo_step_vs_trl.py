@@ -112,14 +112,14 @@ def run_relayrl(a, tmp: str) -> dict:
     c = build(load_run_config(None, overrides))
     steps = []
     try:
-        for _ in range(a.steps + 1):  # timed exactly as relayrl.run.loop.train_colocated times a step
+        for _ in range(a.steps + 1):  # timed exactly as relayrl.run.loop.train_steps times a step
             sync0, version0 = c.rollout_ctl.stats["weight_update_s"], c.train_ctl.version
             t0 = time.perf_counter()
             m = c.env.produce_batch(c.data, a.prompts)
             batch = c.data.get_batch()
             m |= rollout_metrics(batch)
             m |= c.train_ctl.fit(batch)
-            c.train_ctl.sync_weights(c.rollout_ctl)
+            c.rollout_ctl.load_weights(c.train_ctl.weights())
             dt = time.perf_counter() - t0
             lengths = [len(s.response_ids) for s in batch]
             steps.append({"step_s": dt, "samples": len(batch), "gen_tokens": sum(lengths),

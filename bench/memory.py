@@ -110,7 +110,7 @@ def run_relayrl(a) -> dict:
                 c.rollouts.release_memory()
                 m |= c.train_ctl.fit(batch)
                 sampler.phase = "weight_sync"
-                c.rollouts.push_weights(c.train_ctl)
+                c.rollouts.load_weights(c.train_ctl.weights())
                 trim_memory()
                 print(f"step {step}: rss {rss_bytes() / GB:.2f} GB, rollout {m['time/rollout_s']:.1f}s, "
                       f"train {m['time/train_s']:.1f}s", file=sys.stderr)
@@ -155,7 +155,7 @@ def parts(argv: list[str]) -> None:
     """Peak memory of the README's main job, part by part, and TRL GRPOTrainer's on the same settings.
 
     relayrl side: the run is built from examples/arithmetic_grpo.yaml (the README job) and stepped exactly as
-    relayrl.run.loop.train_colocated steps it, while a thread samples this process's RSS every 5 ms and keeps the peak
+    relayrl.run.loop.train_steps steps it, while a thread samples this process's RSS every 5 ms and keeps the peak
     of each phase (build, rollout, train, weight sync). The parts are counted from the objects themselves:
     trainer weights, gradients and AdamW state (fp32: 4 + 4 + 8 bytes/param, the 16 bytes/param floor), the
     engine's own weights (0 when it shares the trainer's), its KV cache at the end of a rollout, the LM-head
@@ -273,7 +273,7 @@ def instrument(c, sampler: Sampler) -> None:
     phase(c.rollouts, "next_batch", rollout_label)
     phase(c.rollouts, "release_memory", "train")
     phase(c.train_ctl, "fit", "train")
-    phase(c.rollouts, "push_weights", "weight_sync")
+    phase(c.rollouts, "load_weights", "weight_sync")
     phase(c.rollouts, "evaluate", lambda: "eval_start" if step["n"] == 0 else "eval")
     phase(c, "save_model", "final_save")
 
@@ -283,7 +283,7 @@ def run_job(a) -> dict:
     sampler = Sampler(lambda: sum(e.cache.nbytes() for e in engines if hasattr(e, "cache")))
     from relayrl.config.schema import load_run_config
     from relayrl.run.build import build
-    from relayrl.run.loop import train_colocated
+    from relayrl.run.loop import train_steps
 
     with tempfile.TemporaryDirectory(prefix="bench_phases_") as tmp:
         over = [*a.overrides, f"run.output_dir={tmp}", f"run.steps={a.steps}", f"eval.every={a.eval_every}",
@@ -294,7 +294,7 @@ def run_job(a) -> dict:
         engines += c.rollout_ctl.engines
         instrument(c, sampler)
         try:
-            metrics = train_colocated(c)
+            metrics = train_steps(c)
         finally:
             sampler.set("close")
             c.close()
@@ -313,7 +313,7 @@ def memory_phases(argv: list[str]) -> None:
     """Peak memory of the README's whole job, phase by phase: where the job's high-water mark comes from.
 
     `bench/memory.py parts` steps the training loop alone; this runs the whole job the way `relayrl train` does
-    (relayrl.run.loop.train_colocated on examples/arithmetic_grpo.yaml: build, eval at start, rollout, train,
+    (relayrl.run.loop.train_steps on examples/arithmetic_grpo.yaml: build, eval at start, rollout, train,
     weight sync, eval, final save, close) in a child process, while a thread samples RSS every 2 ms and keeps, per
     phase, the peak of the trainer process itself and, separately, the summed RSS of its child processes (the judge
     workers: separate processes, never part of `peak_rss_gb`). It also keeps the engines' KV cache bytes per phase.

@@ -3,10 +3,10 @@
 
 Sizes: SmolLM2-135M, SmolLM2-360M, Qwen2.5-0.5B and Qwen2.5-1.5B, built from their published configs (written
 out below, no weights: random init, so nothing is downloaded). Each run is its own subprocess, so its peak RSS
-(getrusage ru_maxrss) is its own, and is stepped the way relayrl.run.loop.train_colocated steps a run:
+(getrusage ru_maxrss) is its own, and is stepped the way relayrl.run.loop.train_steps steps a run:
 
 - the run config is relayrl's defaults (relayrl.config.schema) with the model folder and the shape overridden,
-  precision resolved by relayrl.run.precision.resolve_precision (engine.dtype auto -> bf16 where native, trainer fp32
+  precision resolved by relayrl.run.resolve.resolve (engine.dtype auto -> bf16 where native, trainer fp32
   master weights with bf16 autocast iff the engine is bf16), the trainer built by relayrl.run.build._train_controller
   (TrainEngine + fused AdamW) and the engine by relayrl.run.build.make_engines (a LocalEngine on its own copy, or on
   the trainer's model when relayrl.run.build.shares_weights says so). Only load_model is replaced (in build, trainer
@@ -15,7 +15,7 @@ out below, no weights: random init, so nothing is downloaded). Each run is its o
   random PROMPT_LEN-token prompts; the samples get random 0/1 rewards;
 - train: the engine gives back its KV cache and weights (RolloutController.release_memory, as
   InProcessRollouts.release_memory does), TrainController.fit trains on the samples (one AdamW step), and the
-  weight sync (TrainController.sync_weights) restores the engine's weights.
+  weight sync (RolloutController.load_weights of TrainController.weights()) restores the engine's weights.
 
 --steps steps run (default 2: the first allocates the optimizer state and warms the kernels, and memory keeps
 growing into the second); times are the last step's, the peak is the process's over all steps. The floor is
@@ -211,11 +211,11 @@ def make_spec(a, hf_config: dict, shape: dict, overrides: list[str], **extra) ->
 def run_config(a, overrides: list[str]):
     """The resolved relayrl config a run will use (for the estimate: micro-batch size, checkpointing)."""
     from relayrl.config.schema import load_run_config
-    from relayrl.run.precision import resolve_precision
+    from relayrl.run.resolve import resolve
 
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "config.json").write_text("{}")
-        return resolve_precision(load_run_config(None, [f"model.path={tmp}", *a.overrides, *overrides]), quiet=True)
+        return resolve(load_run_config(None, [f"model.path={tmp}", *a.overrides, *overrides]), quiet=True)
 
 
 def plan(a, hf_config: dict, params: int, shape: dict, overrides: list[str], mem_total: int) -> dict:

@@ -36,7 +36,7 @@ from relayrl.common.errors import InputError
 from relayrl.common.files import read_jsonl
 from relayrl.config.loader import ConfigError
 from relayrl.config.schema import load_run_config
-from relayrl.run.precision import resolve_precision
+from relayrl.run.resolve import resolve
 
 SIDES = ("sync", "async", "trl")
 QUICK = {"eval_every": 1, "eval_size": 4, "max_steps": 2, "budget_min": 1.0, "threads": 1}
@@ -163,7 +163,7 @@ def run_relayrl(side: str, a: argparse.Namespace, tmp: str) -> dict:
     """`relayrl train` in a subprocess, watched through its metrics.jsonl; interrupted (SIGTERM: the run closes its
     engines and producer) at the first eval where the stop rule fires."""
     over = [*shared_overrides(a), *side_overrides(side, a), f"run.output_dir={tmp}", f"run.name={side}"]
-    cfg = resolve_precision(load_run_config(a.config, over), quiet=True)  # a bad override fails here, named
+    cfg = resolve(load_run_config(a.config, over), quiet=True)  # a bad override fails here, named
     metrics = Path(tmp) / side / "metrics.jsonl"
     should_stop, stopped, close = stop_rule(a), False, None
     t0 = time.perf_counter()

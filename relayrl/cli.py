@@ -12,7 +12,6 @@ import json
 import os
 import platform
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -21,7 +20,7 @@ import yaml
 
 from relayrl import __version__
 from relayrl.common import logs
-from relayrl.common.errors import InputError, install_hint
+from relayrl.common.errors import InputError, Terminated, install_hint
 from relayrl.common.files import atomic_write_text
 from relayrl.common.memory import tune_allocator
 from relayrl.config import ConfigError, to_dict
@@ -30,13 +29,6 @@ from relayrl.config.schema import Config, load_run_config
 from relayrl.serve.args import add_arguments as add_serve_arguments
 
 SERVE_EXTRA = ("uvicorn",)  # the packages of the `serve` extra (pyproject.toml): the HTTP server
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a job scheduler's stop, `kill`, systemd, a benchmark harness). Raised in the main thread like
-    Ctrl-C's KeyboardInterrupt, so a run stops through the same cleanup (engines, producer, judge workers,
-    servers, trackers) instead of dying mid-write; it also stops a run started from a shell that ignores SIGINT
-    in background jobs, where Ctrl-C never reaches Python."""
 
 
 def _sigterm_handler(main_pid: int):
@@ -60,35 +52,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
-    if cfg.launcher == "ray":  # every process of the run in a Ray actor, trainer ranks included
-        from relayrl.run.ray_launch import train_on_ray as train
-    elif cfg.train.engine == "fsdp" and "RANK" not in os.environ:
-        return _torchrun(cfg.train.world_size, ["train", *([f"--config={args.config}"] if args.config else []),
-                                                *args.overrides])
-    else:
-        from relayrl.run.loop import train
+    from relayrl.run.launch import launch  # Ray, torchrun or this process: chosen there
 
-    final = train(cfg)
-    if final:
-        print("final eval: " + ", ".join(f"{k}={v:.4f}" for k, v in final.items() if "pass" in k or "reward" in k))
-    return 0
-
-
-def _torchrun(world_size: int, argv: list[str]) -> int:
-    """Run this same command as `world_size` trainer processes on this machine (torchrun --standalone);
-    under a torchrun of the user's own (RANK is set: several machines), relayrl does not start one."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-           "-m", "relayrl.cli", *argv]
-    proc = subprocess.Popen(cmd)
-    try:
-        return proc.wait()
-    except Terminated:  # only this process got it: torchrun forwards SIGTERM to its ranks
-        proc.terminate()
-        proc.wait()
-        raise
-    except KeyboardInterrupt:  # torchrun got the same Ctrl-C (the terminal's process group) and stops its ranks
-        proc.wait()
-        return 130
+    return launch(cfg, ["train", *([f"--config={args.config}"] if args.config else []), *args.overrides])
 
 
 def _eval(args: argparse.Namespace) -> int:

@@ -18,13 +18,14 @@ from relayrl.engine.local import LocalEngine
 from relayrl.engine.rollout import RolloutController
 from relayrl.models import load_model
 from relayrl.run.build import build
-from relayrl.run.loop import train_colocated
+from relayrl.run.loop import train_steps
 from relayrl.sample import Sample
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
 from relayrl.trainer.logprobs import token_logprobs
 from relayrl.trainer.optim import Bf16StateAdamW
 from relayrl.trainer.packer import Packer
+from relayrl.weights.snapshot import Weights
 
 PROMPTS = [[5, 6, 7, 8, 9], [20, 21], [30] * 17, [5, 6, 7, 8, 9], [40, 41, 42], [7], [50, 51, 52, 53]]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
@@ -146,7 +147,7 @@ def check_chunked_logprobs(tiny_path: str, device: str) -> None:
 
 
 def check_weight_sync(tiny_path: str, device: str, tmp_path: Path) -> None:
-    """Trainer -> LocalEngine update_weights (after the engine gave its memory back, as colocated runs do): the
+    """Trainer -> LocalEngine load_weights (after the engine gave its memory back, as colocated runs do): the
     engine then holds exactly the trained weights, on its device, and generates what a fresh engine loaded from
     those weights on disk generates."""
     ctl, _, _ = train_one_step(tiny_path, device)
@@ -155,7 +156,7 @@ def check_weight_sync(tiny_path: str, device: str, tmp_path: Path) -> None:
     try:
         eng.generate(PROMPTS[:2], GREEDY)  # a KV cache to give back
         assert eng.release_memory() > 0
-        ctl.sync_weights(RolloutController([eng]))
+        RolloutController([eng]).load_weights(ctl.weights())
         trained = dict(ctl.engine.model.named_parameters())
         for name, p in eng.model.named_parameters():
             assert p.device.type == device and torch.equal(p, trained[name].detach()), name
@@ -190,7 +191,7 @@ def check_staged_update(tiny_path: str, device: str) -> None:
         assert all(t.device.type == device and t.dtype == torch.bfloat16 for _, t in staged)
         rcs = [RolloutController([e]) for e in engines]
         for rc in rcs:
-            rc.update_weights(lambda: host.items(), 1)
+            rc.load_weights(Weights(lambda: host.items(), 1))
         assert rcs[0].stats["weight_stage_s"] > 0
         for (name, a), (_, b) in zip(engines[0].model.named_parameters(), engines[1].model.named_parameters()):
             assert torch.equal(a, b), name
@@ -211,7 +212,7 @@ def check_colocated_run(tiny_path: str, device: str, tmp_path: Path) -> None:
         engine = c.rollout_ctl.engines[0]
         assert engine.device.type == device and c.train_ctl.engine.device.type == device
         assert c.train_ctl.ref_engine.device.type == device
-        train_colocated(c)
+        train_steps(c)
         assert c.train_ctl.version == 2 and engine.version == 2
         trained = dict(c.train_ctl.engine.model.named_parameters())
         for name, p in engine.model.named_parameters():
@@ -251,11 +252,11 @@ def check_static_decode(tiny_path: str, device: str) -> None:
             assert_same_greedy(eng, plain)
         with torch.no_grad():  # a weight sync: new values, same storage
             changed = {n: p.detach() * 1.5 for n, p in plain.model.named_parameters()}
-        eng.update_weights(changed.items(), 1)
-        plain.update_weights(changed.items(), 1)
+        eng.load_weights(changed.items(), 1)
+        plain.load_weights(changed.items(), 1)
         assert_same_greedy(eng, plain)
         assert eng.release_memory() > 0
-        eng.update_weights(changed.items(), 2)
+        eng.load_weights(changed.items(), 2)
         assert_same_greedy(eng, plain)
         if device != "cpu":
             assert eng.cuda_graphs and eng._static.recorded >= 3, (eng._static.failed, eng._static.recorded)

@@ -8,7 +8,9 @@ new ones in a few lines and name them in the config by import path.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
+from relayrl.common.registry import Registry
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.rollout import RolloutController
 from relayrl.judge import Judge
@@ -28,6 +30,12 @@ class Agent:
     async def generate_sample(self, sample: Sample) -> Sample:
         raise NotImplementedError
 
+    @classmethod
+    def check_kwargs(cls, kwargs: dict[str, Any]) -> None:
+        """Check the values of agent.kwargs before any model loads (their names are checked against `__init__`):
+        raise an InputError whose message starts "agent.kwargs.NAME: ". Default: nothing more to check."""
+        return
+
     def params_for(self, sample: Sample, turn: int = 0) -> SamplingParams:
         """Sampling params for one engine call: seeded per sample and turn when the sample has a seed."""
         if sample.seed is None:
@@ -40,3 +48,8 @@ class Agent:
     def close(self) -> None:
         """Release what the agent holds beyond the run's shared parts (a ToolAgent's MCP sessions); the run
         calls it once rollouts have stopped."""
+
+
+# agent.kind's names: each built-in agent registers itself where it is defined (`@AGENTS.register("kind")`), and
+# relayrl.agents imports its module
+AGENTS: Registry[type[Agent]] = Registry("agent")

@@ -29,7 +29,7 @@ import functools
 import logging
 from typing import Any
 
-from relayrl.agents.base import Agent
+from relayrl.agents.base import AGENTS, Agent
 from relayrl.agents.chat import continuation_ids, end_of_turn_id
 from relayrl.agents.reflection import turn_returns
 from relayrl.common.errors import InputError
@@ -41,6 +41,7 @@ REWARD_MODES = ("sum", "last", "per_turn")
 logger = logging.getLogger(__name__)
 
 
+@AGENTS.register("env")
 class EnvAgent(Agent):
     def __init__(self, rollout_ctl, tokenizer, sampling, judge=None, *, env: str | type,
                  env_kwargs: dict[str, Any] | None = None, max_turns: int = 4, env_timeout: float | None = 30.0,

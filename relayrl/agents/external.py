@@ -32,7 +32,7 @@ import shlex
 import signal
 from typing import TYPE_CHECKING, Any
 
-from relayrl.agents.base import Agent
+from relayrl.agents.base import AGENTS, Agent
 from relayrl.agents.openai_agent import RecordingBackend, Session, finish_session
 from relayrl.common.errors import InputError, install_hint
 from relayrl.sample import Sample
@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # the proxy serves with uvicorn, the serve extra: imported wh
 _TAIL = 64 * 1024  # bytes of a program's stdout and stderr kept (the reward line, the error's tail)
 
 
+@AGENTS.register("external")
 class ExternalAgent(Agent):
     def __init__(self, rollout_ctl, tokenizer, sampling, judge=None, *, command: list[str] | str,
                  timeout: float = 300.0, max_calls: int = 32, max_tokens: int | None = None,

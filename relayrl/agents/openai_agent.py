@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import openai
 
-from relayrl.agents.base import Agent
+from relayrl.agents.base import AGENTS, Agent
 from relayrl.agents.chat import continuation_ids, end_of_turn_id
 from relayrl.agents.reflection import turn_returns
 from relayrl.common.imports import import_from_path
@@ -239,6 +239,7 @@ def session_samples(session: Session, base: Sample) -> list[Sample]:
     return samples
 
 
+@AGENTS.register("openai")
 class OpenAIAgent(Agent):
     def __init__(self, rollout_ctl, tokenizer, sampling, judge=None, *, episode: str, discount: float = 1.0,
                  **episode_kwargs: Any):

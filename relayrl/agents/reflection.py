@@ -49,7 +49,7 @@ import hashlib
 import re
 from typing import Any
 
-from relayrl.agents.base import Agent
+from relayrl.agents.base import AGENTS, Agent
 from relayrl.agents.chat import continuation_ids, end_of_turn_id
 from relayrl.common.errors import InputError
 from relayrl.judge import REJECTED_PREFIX
@@ -75,6 +75,7 @@ def turn_returns(rewards: list[float], gamma: float) -> list[float]:
     return out
 
 
+@AGENTS.register("reflection")
 class ReflectionAgent(Agent):
     def __init__(self, rollout_ctl, tokenizer, sampling, judge=None, *, max_turns: int = 2,
                  feedback: str = DEFAULT_FEEDBACK, discount: float = 0.9, discount_mode: str = "final",

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from relayrl.agents.base import Agent
+from relayrl.agents.base import AGENTS, Agent
 from relayrl.sample import Sample, Status
 
 
+@AGENTS.register("single_turn")
 class SingleTurnAgent(Agent):
     async def generate_sample(self, sample: Sample) -> Sample:
         # no rid: a one-turn trajectory has no next turn to route or to keep its KV cache for

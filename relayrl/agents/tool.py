@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from relayrl.agents.base import Agent
+from relayrl.agents.base import AGENTS, Agent
 from relayrl.agents.chat import continuation_ids, end_of_turn_id
 from relayrl.data.formats import prompt_messages
 from relayrl.sample import Sample, Status
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 _logged: set[tuple[str, str]] = set()
 
 
+@AGENTS.register("tool")
 class ToolAgent(Agent):
     def __init__(self, rollout_ctl, tokenizer, sampling, judge=None, *,
                  tools: list[str | Callable[..., Any]] | None = None, max_turns: int = 4, tool_timeout: float = 10.0,

@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from relayrl.agents.base import AGENTS
 from relayrl.agents.external import ExternalAgent
 from relayrl.common.errors import InputError
 
@@ -25,6 +26,7 @@ PYTHON = ".venv-verifiers/bin/python"
 _CHECK_TIMEOUT = 120.0  # seconds for the runner to import verifiers and the environment
 
 
+@AGENTS.register("verifiers")
 class VerifiersAgent(ExternalAgent):
     def __init__(self, rollout_ctl, tokenizer, sampling, judge=None, *, env: str,
                  env_config: dict[str, Any] | None = None, python: str = PYTHON, timeout: float = 300.0,

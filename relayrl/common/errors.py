@@ -1,4 +1,5 @@
-"""The error type for bad user input (printed without a traceback), extras hints, and closing many parts at once."""
+"""The error types for bad user input (printed without a traceback) and for SIGTERM, extras hints, and closing many
+parts at once."""
 
 from __future__ import annotations
 
@@ -6,6 +7,13 @@ from __future__ import annotations
 class InputError(ValueError):
     """A user-supplied file or value is unusable; the message names the file and line (or the key), so the
     CLI prints it without a traceback."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler's stop, `kill`, systemd, a benchmark harness). Raised in the main thread like
+    Ctrl-C's KeyboardInterrupt (the CLI's handler), so a run stops through the same cleanup (engines, producer,
+    judge workers, servers, trackers) instead of dying mid-write; it also stops a run started from a shell that
+    ignores SIGINT in background jobs, where Ctrl-C never reaches Python."""
 
 
 def install_hint(extra: str) -> str:

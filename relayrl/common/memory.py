@@ -91,7 +91,8 @@ def memory_is_tight(floor_bytes: int, total_bytes: int | None) -> bool:
 
 
 def checkpointing_on(setting: bool | str, floor_bytes: int, total_bytes: int | None) -> bool:
-    """model.gradient_checkpointing as a trainer applies it: "auto" -> `memory_is_tight`, else the setting."""
+    """model.gradient_checkpointing as a floor makes it: "auto" -> `memory_is_tight`, else the setting (a run decides
+    it once at start-up, relayrl.run.resolve; benchmarks that plan a run ask here)."""
     return memory_is_tight(floor_bytes, total_bytes) if setting == "auto" else bool(setting)
 
 

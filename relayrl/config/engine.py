@@ -83,8 +83,12 @@ class EngineConfig:
     # still generating, then pause only for a copy (costs one copy of the weights in the engine's dtype meanwhile;
     # on a GPU, skipped when that does not fit). false: move and round with the engine paused
     stage_weights: bool = True
-    # remote engines: servers at `addresses`, or num_engines servers started by the run (`launch`)
-    backend: Literal["sglang", "vllm"] = "sglang"  # sglang: SGLang's native API (also `relayrl serve`)
+    # remote engines: servers at `addresses`, or num_engines servers started by the run (`launch`), spoken to in
+    # `backend`'s API: a dialect registered in relayrl.engine.dialects (sglang: SGLang's native API, also `relayrl
+    # serve`; vllm: vLLM's OpenAI server) or "package.module:Class" (a Dialect subclass of your own). The config
+    # layer cannot import the engine, so the name, and whether it fits engine.launch and engine.weight_sync, is
+    # checked at start-up (relayrl.engine.dialects.dialect_class)
+    backend: str = "sglang"
     addresses: list[str] = field(default_factory=list)  # e.g. ["http://10.0.0.5:30000"]
     # start the servers as subprocesses (their logs in RUN_DIR/servers/), stop them at exit: `relayrl serve`, vLLM's
     # OpenAI server, or SGLang (CUDA only); the command lines: relayrl.run.launcher, docs/guide.md
@@ -120,14 +124,6 @@ class EngineConfig:
         if self.kind == "remote":
             check(bool(self.addresses) != (self.launch != "none"), "addresses",
                   "engine.kind=remote needs either addresses (running servers) or launch=relayrl|vllm|sglang, not both")
-            check(self.launch != "relayrl" or self.backend == "sglang", "backend",
-                  "launch=relayrl serves the sglang-native API: set backend=sglang")
-            check(self.launch != "vllm" or self.backend == "vllm", "backend", "launch=vllm needs backend=vllm")
-            check(self.launch != "sglang" or self.backend == "sglang", "backend", "launch=sglang needs backend=sglang")
-            check(self.weight_sync == "disk" or self.backend == "sglang", "weight_sync",
-                  "distributed needs backend=sglang (SGLang's broadcast routes, also served by relayrl serve): "
-                  "vLLM's weight-transfer routes use their own NCCL rendezvous, which relayrl does not speak; "
-                  "use weight_sync=disk with vLLM")
             for a in self.addresses:
                 try:
                     check_address(a)

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from relayrl.common.device import DEVICE_SETTINGS, valid_device_setting
-from relayrl.config.correction import RolloutCorrectionConfig
+from relayrl.config.algo import AlgoConfig
 from relayrl.config.engine import EngineConfig
 from relayrl.config.loader import check, fill_missing, load_config
-from relayrl.config.presets import DEFAULT_MAX_NEW_TOKENS, PRESETS, PresetName, int_at
+from relayrl.config.presets import DEFAULT_MAX_NEW_TOKENS, PRESETS, int_at
 from relayrl.config.rules import check_rules
 from relayrl.config.trackers import DEFAULT_TRACKERS, WandbConfig, tracker_problem
 
@@ -145,7 +145,8 @@ class DataConfig:
 @dataclass
 class JudgeConfig:
     # module:function scoring (response text, row) -> reward, or written as TRL's (prompts, completions,
-    # **columns) -> list[float | None]; or a list of such functions, whose rewards add up (see reward_weights)
+    # **columns) -> list[float | None]; or a list of such functions, whose rewards add up (see reward_weights); a
+    # built-in may be named instead (relayrl.judge.REWARDS: math, llm_judge, reward_model)
     reward_fn: str | list[str] = "relayrl.judge.math:math_reward"
     reward_weights: list[float] | None = None  # one weight per reward_fn entry (null: all 1.0), as TRL's
     kwargs: dict[str, Any] = field(default_factory=dict)  # reward_fn keyword arguments (checked at start)
@@ -211,73 +212,6 @@ class SchedulerConfig:
         check(self.max_attempts_factor >= 1, "max_attempts_factor", "must be >= 1")
         check(self.placement == "colocated" or self.mode == "async", "placement",
               "separate placement needs scheduler.mode=async (a producer that runs beside the trainer)")
-
-
-@dataclass
-class AlgoConfig:
-    preset: PresetName = "grpo"  # custom: no preset, every knob as written
-    # advantages: scalar reward -> (group baseline/scale) -> per-token return or GAE -> (batch whitening)
-    adv_estimator: Literal["return", "gae"] = "return"  # gae: PPO with a critic (value model)
-    # group: per sample; batch: over the batch's tokens; group_batch: group, then batch (REINFORCE++-baseline)
-    adv_mean: Literal["group", "batch", "group_batch", "none"] = "group"
-    adv_std: Literal["group", "batch", "none"] = "group"  # divide advantages by the std of the group/batch
-    adv_leave_one_out: bool = False  # RLOO: baseline = mean of the group's other samples
-    # per-turn rewards (multi-turn agents): turn k's return is compared with the group's other k-th turns
-    # ("turn"), or with every turn of the group ("pooled", which credits a failed last retry for beating turn 1)
-    turn_baseline: Literal["turn", "pooled"] = "turn"
-    gamma: float = 1.0  # GAE discount over response tokens
-    lam: float = 0.95  # GAE lambda
-    # reward shaping, in this order: + overlong penalty, * reward_scale, + reward_bias, clip to +-reward_clip
-    reward_scale: float = 1.0
-    reward_bias: float = 0.0  # added to every reward after scaling
-    reward_clip: float | None = None  # clip rewards to +-this (None: no clip)
-    overlong_buffer: int = 0  # DAPO: linear penalty over the last N tokens before max_new_tokens (0: off)
-    overlong_penalty: float = 1.0  # the penalty at max_new_tokens
-    overlong_filter: bool = False  # DAPO: truncated samples (finish reason "length") get no loss at all
-    # policy loss
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
-    ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's geometric-mean sequence ratio
-    clip_low: float = 0.2  # PPO clip: the ratio may fall to 1 - clip_low
-    clip_high: float = 0.2  # PPO clip: the ratio may rise to 1 + clip_high (DAPO: clip-higher)
-    kl_coef: float = 0.0  # > 0 loads a frozen reference model
-    kl_mode: Literal["loss", "reward"] = "loss"  # KL to the reference as a loss term, or per token in the reward
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # Schulman's estimators of KL(pi || ref)
-    entropy_coef: float = 0.0  # entropy bonus weight in the loss (0: off)
-    # critic (adv_estimator: gae)
-    critic_path: str | None = None  # default: the policy's model
-    critic_lr: float = 1e-5  # the critic's AdamW learning rate
-    value_clip: float | None = 0.2  # None: unclipped value loss
-    # decoupled PPO (AReaL): clip around recomputed proximal logprobs, weight tokens by pi_prox / pi_behav;
-    # defaults to true with scheduler.mode=async and max_staleness > 0 (DERIVED), where samples are off-policy
-    decoupled: bool = False
-    behav_weight_cap: float | None = 5.0  # None: no cap
-    behav_weight_mode: Literal["clamp", "mask"] = "mask"  # tokens above the cap: weight clamped, or dropped
-    behav_weight_level: Literal["token", "sequence"] = "token"  # sequence: geometric mean over the sequence
-    # with one update per batch (train.epochs = train.minibatches = 1) pi_prox is the policy being trained, so its
-    # logprobs are the training forward's own (detached): true spends a separate forward on them anyway
-    recompute_prox: bool = False
-    # mixture-of-experts policies: the trainer's forwards use the experts the engine routed each token to (rollout
-    # routing replay, R3), with gating weights from the trainer's own router (relayrl.models.moe); an error on a
-    # dense model
-    routing_replay: bool = False
-    # importance weights for the engine/trainer mismatch, on by default where their precisions differ; with
-    # decoupled PPO on, they are its behaviour weight (algo.behav_weight_* then unused)
-    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-
-    def validate(self) -> None:
-        check(self.clip_low >= 0, "clip_low", "clip ranges must be >= 0")
-        check(self.clip_high >= 0, "clip_high", "clip ranges must be >= 0")
-        check(self.kl_coef >= 0, "kl_coef", "must be >= 0")
-        check(0 <= self.gamma <= 1, "gamma", "must be in [0, 1]")
-        check(0 <= self.lam <= 1, "lam", "must be in [0, 1]")
-        check(self.reward_clip is None or self.reward_clip > 0, "reward_clip", "must be > 0 (or null: no clip)")
-        check(self.overlong_buffer >= 0, "overlong_buffer", "must be >= 0 (0 turns the penalty off)")
-        check(self.critic_lr > 0, "critic_lr", "must be > 0")
-        check(self.value_clip is None or self.value_clip > 0, "value_clip", "must be > 0 (or null: no clip)")
-        if self.critic_path is not None:
-            p = Path(self.critic_path).expanduser()
-            check((p / "config.json").is_file(), "critic_path", f"{self.critic_path!r} is not a model folder "
-                                                                "(no config.json)")
 
 
 @dataclass
@@ -408,6 +342,12 @@ class RayConfig:
         check(self.placement_timeout > 0, "placement_timeout", "must be > 0")
 
 
+# the keys relayrl.run.resolve decides (Config.resolved)
+RESOLVED_KEYS = ("run.device", "engine.dtype", "model.train_dtype", "model.autocast_bf16",
+                 "algo.rollout_correction.enabled", "model.gradient_checkpointing", "engine.kv_dtype",
+                 "engine.attention", "engine.weight_sync_backend")
+
+
 @dataclass
 class Config:
     launcher: Literal["local", "ray"] = "local"  # ray: every process of the run is a Ray actor (see RayConfig)
@@ -423,14 +363,15 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation during the run
     run: RunConfig = field(default_factory=RunConfig)  # the run folder, steps, seeds, logs, checkpoints
     ray: RayConfig = field(default_factory=RayConfig)  # launcher=ray: where the run's processes go
+    # written by relayrl, never read as input: what start-up decided for each automatic choice (relayrl.run.resolve),
+    # dotted key -> {asked, value, why}. A run's config.yaml carries it; a config that has one (a run's config.yaml
+    # reused) loads, its entries checked, and start-up replaces them with its own decisions
+    resolved: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def validate(self) -> None:
+        self._check_resolved()
         check_rules(self)  # numeric ranges no section checks itself (eval.n, train.betas, ...), async + PPO
-        a = self.algo
-        if a.adv_mean in ("group", "group_batch") or a.adv_std == "group":
-            check(self.data.group_size >= 2, "data.group_size",
-                  f"must be >= 2 for group-relative advantages (algo.preset={a.preset}); "
-                  "set algo.adv_mean/adv_std to batch or none for group_size 1")
+        a = self.algo  # data.group_size >= 2 for group-relative estimators: relayrl.run.build.check_user_code
         check(a.overlong_buffer < self.sampling.max_new_tokens, "algo.overlong_buffer",
               f"must be < sampling.max_new_tokens ({self.sampling.max_new_tokens}): the penalty ramps over the "
               "last overlong_buffer tokens before it")
@@ -447,6 +388,22 @@ class Config:
         if self.model.lora_rank:
             self._check_lora()
         self._fetch_hub_ids()
+
+    def _check_resolved(self) -> None:
+        """`resolved` as relayrl writes it: known keys, each with asked, value and why. A malformed one is refused
+        (someone meant it to decide something, and it decides nothing); a well-formed one is replaced at start-up."""
+        for key, entry in self.resolved.items():
+            check(key in RESOLVED_KEYS, f"resolved.{key}", "not a choice relayrl resolves; `resolved` is written by "
+                  "relayrl into a run's config.yaml (relayrl.run.resolve): remove it from your config")
+            check(set(entry) == {"asked", "value", "why"}, f"resolved.{key}", "must have asked, value and why, as "
+                  "relayrl writes it: remove `resolved` from your config")
+
+    @property
+    def device(self) -> str:
+        """run.device as start-up resolved it ("cpu", "cuda", "cuda:N"; relayrl.run.resolve): what components read."""
+        if "run.device" not in self.resolved:
+            raise RuntimeError("the config is not resolved: pass it through relayrl.run.resolve.resolve first")
+        return self.resolved["run.device"]["value"]
 
     def _fetch_hub_ids(self) -> None:
         """Hub ids are found in the HF cache or downloaded now, before compute is spent; run.offline: cache only."""

@@ -122,15 +122,16 @@ class InferenceEngine(ABC):
         """Generate from `input_ids`; `rid` names the trajectory (KV reuse, abort), `on_token` streams the tokens
         (TokenCallback), `images`: a vision-language prompt's image files (relayrl.engine.vision), only when any."""
 
-    @abstractmethod
-    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
-        """Load new weights (from `stage_weights`' result) and stamp later tokens with `version`; called paused."""
-
+    # a weight update is two steps: stage (while still generating), then load (paused)
     def stage_weights(self, named_tensors: NamedTensors, version: int) -> NamedTensors:
-        """Make an update ready while still generating, before the pause for `update_weights`, and return what
+        """Make an update ready while still generating, before the pause for `load_weights`, and return what
         that should load. Default: nothing to stage, the tensors are returned unread (a lazy source is read only
-        by `update_weights`, while paused)."""
+        by `load_weights`, while paused)."""
         return named_tensors
+
+    @abstractmethod
+    def load_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """Load new weights (from `stage_weights`' result) and stamp later tokens with `version`; called paused."""
 
     @abstractmethod
     def load_weights_from_disk(self, path: str, version: int) -> None:
@@ -159,7 +160,7 @@ class InferenceEngine(ABC):
 
     def release_memory(self, weights: bool = True) -> int:
         """Give back the KV cache (and with `weights`, the weights) while the trainer in this process needs the
-        memory; the next `update_weights` restores them. Returns the bytes freed. Default 0: an engine in another
+        memory; the next `load_weights` restores them. Returns the bytes freed. Default 0: an engine in another
         process keeps its memory."""
         return 0
 

@@ -22,6 +22,7 @@ kernel widens each row as it reads it; the SDPA paths get a widened copy of what
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from relayrl.engine.attention import decode_attention
@@ -89,6 +90,11 @@ class SlotKVCache:
         index = slots if isinstance(slots, int) else (
             slots[0] if len(slots) == 1 else torch.tensor(slots, device=self.device))
         self._mode, self.fused = ("prefill", index, start), False
+
+    def routed(self, slot: int, length: int) -> np.ndarray | None:
+        """A slot's routed experts for routing replay (relayrl.engine.routing.RoutedSlotCache keeps them); None: a
+        dense model routes nothing."""
+        return None
 
     def export(self, slot: int, length: int) -> list[torch.Tensor]:
         """A copy of a slot's first `length` positions (all layers, keys then values), to park it."""

@@ -6,7 +6,7 @@ copied to every sample's slot), then every running sequence advances one token p
 batched forward over a slot KV cache. Finished sequences leave the batch at once, so a long-tailed
 group does not hold short ones hostage.
 
-Weight updates and pauses take effect between steps (at a token boundary): `update_weights` takes
+Weight updates and pauses take effect between steps (at a token boundary): `load_weights` takes
 the step lock (callers waiting for it go before the worker's next step), so no forward ever mixes two
 policies, and every token is stamped with the version of the weights that sampled it. Running
 sequences then continue with the new weights (partial rollout); with kv_on_update="recompute" their
@@ -46,6 +46,7 @@ from safetensors.torch import load_file
 
 from relayrl.common.device import avoid_cudnn_attention, model_device
 from relayrl.common.threads import release_openmp_threads
+from relayrl.config.engine import EngineConfig
 from relayrl.engine import attention, direct, routing, skinny
 from relayrl.engine import linear as engine_linear
 from relayrl.engine.base import GenOutput, InferenceEngine, SamplingParams, TokenCallback
@@ -146,6 +147,19 @@ class LocalEngine(BatchStep, InferenceEngine):
         release_openmp_threads()
 
     @classmethod
+    def from_config(cls, e: EngineConfig, model: torch.nn.Module, *, eos_token_ids: Iterable[int], seed: int = 0,
+                    decode: Decode | None = None, owns_weights: bool = True) -> LocalEngine:
+        """An engine on `model` as the engine section sets it, resolved (relayrl.run.resolve: kv_dtype is a dtype;
+        attention "auto" on a CPU is this engine's own rule, `_use_kernel`). A new engine knob: its field in
+        EngineConfig and its line here."""
+        return cls(model, eos_token_ids=eos_token_ids, seed=seed, decode=decode, owns_weights=owns_weights,
+                   max_batch_size=e.max_batch_size, max_seq_len=e.max_seq_len,
+                   max_tokens_in_flight=e.max_tokens_in_flight, prefix_cache_size=e.prefix_cache_size,
+                   kv_on_update=e.kv_on_update, attention=e.attention, weight_rounding=e.weight_rounding,
+                   stage_weights=e.stage_weights, cuda_graphs=e.cuda_graphs, prefill_tokens=e.prefill_tokens,
+                   kv_dtype=e.kv_dtype, kv_cache_bytes=None if e.kv_cache_gb is None else int(e.kv_cache_gb * 1e9))
+
+    @classmethod
     def from_pretrained(cls, path: str, *, dtype: str = "bfloat16", device: str | torch.device = "cpu",
                         **kwargs) -> LocalEngine:
         """`device`: auto, cpu, cuda or cuda:N (relayrl.common.device.resolve_device)."""
@@ -241,7 +255,7 @@ class LocalEngine(BatchStep, InferenceEngine):
         futures = [self.submit(p, params) for p in prompts]
         return [f.result() for f in futures]
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy new weights in place between two decode steps and stamp later tokens with `version`
         (relayrl.engine.weights: LoRA adapters merged, fp32 into bf16 rounded stochastically)."""
         with self._between_steps():
@@ -256,7 +270,7 @@ class LocalEngine(BatchStep, InferenceEngine):
     def stage_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                       version: int) -> list[tuple[str, torch.Tensor]]:
         """An update made ready while this engine keeps generating (EngineWeights.stage: moved to its device and
-        rounded into its dtype), so that `update_weights` pauses it only for a copy. An idle engine loses nothing
+        rounded into its dtype), so that `load_weights` pauses it only for a copy. An idle engine loses nothing
         to a pause: its update is passed as it is, with no second copy of the weights (colocated sync runs)."""
         if not self.stage_updates or not self.num_running():
             return list(named_tensors)
@@ -268,7 +282,7 @@ class LocalEngine(BatchStep, InferenceEngine):
         if not files:
             raise FileNotFoundError(f"no .safetensors files in {path}")
         tensors = model_names({k: v for f in files for k, v in load_file(str(f)).items()})  # MoE: fused
-        self.update_weights(self.stage_weights(tensors.items(), version), version)
+        self.load_weights(self.stage_weights(tensors.items(), version), version)
 
     def abort(self, rid: str | None = None) -> int:
         """Finish the matching requests (all if rid is None) now, with finish_reason "abort" and the
@@ -290,7 +304,7 @@ class LocalEngine(BatchStep, InferenceEngine):
     def release_memory(self, weights: bool = True) -> int:
         """Give back the KV cache, parked prefixes and (weights=True) the weight storage while the trainer in
         this process needs the memory (colocated synchronous RL: the engine is idle while training). The next
-        `update_weights` must send every weight; it reallocates them. An engine still serving live requests
+        `load_weights` must send every weight; it reallocates them. An engine still serving live requests
         keeps its memory (returns 0). Returns the bytes released."""
         with self._between_steps(), torch.inference_mode():
             self._drop_cancelled()  # e.g. over-sampled groups the scheduler dropped: nobody waits for them
@@ -304,7 +318,7 @@ class LocalEngine(BatchStep, InferenceEngine):
             if weights and (weights_freed := self.weights.release()):
                 freed += weights_freed
                 if self._static is not None:
-                    self._static.reset()  # recorded graphs read this storage; update_weights allocates anew
+                    self._static.reset()  # recorded graphs read this storage; load_weights allocates anew
             return freed
 
     def flush_cache(self) -> None:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import torch
 
 from relayrl.engine.base import GenOutput, InferenceEngine, SamplingParams, TokenCallback
+from relayrl.weights.snapshot import NamedTensors, Weights
 
 # LocalEngine.stats that are running totals, read by RolloutController.engine_counters
 ENGINE_COUNTERS = ("generated_tokens", "prefill_tokens", "steps", "decode_rows", "busy_s")
@@ -103,15 +104,17 @@ class RolloutController:
             if self.partial_rollout == "requeue":
                 got = GenOutput([], [], [], "abort", len(input_ids))
 
-    def update_weights(self, named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]], version: int) -> None:
-        """Pause every engine at a token boundary, load the weights, bump the version, resume.
+    def load_weights(self, weights: Weights) -> None:
+        """Stage the weights on every engine, still generating; pause every engine at a token boundary; load them,
+        which stamps later tokens with `weights.version`; resume.
 
-        `named_tensors` is a callable returning a fresh iterator, so each engine gets its own pass, started only
-        when the engine reads it. Engines that can (local ones) stage it first, still generating: moved to their
-        device and rounded into their dtype; the others read it while paused.
+        Each engine gets its own pass of `weights.named_tensors`, started only when the engine reads it. Engines
+        that can (local ones) stage it, still generating: moved to their device and rounded into their dtype; the
+        others read it while paused.
         """
         t0 = time.perf_counter()
-        staged = [e.stage_weights(_FreshPass(named_tensors), version) for e in self.engines]
+        version = weights.version
+        staged = [e.stage_weights(_FreshPass(weights.named_tensors), version) for e in self.engines]
         t1 = time.perf_counter()
         self.stats["weight_stage_s"] += t1 - t0
         for e in self.engines:
@@ -119,7 +122,7 @@ class RolloutController:
         self.stats["weight_pause_s"] += time.perf_counter() - t1
         try:
             for e, ready in zip(self.engines, staged, strict=True):
-                e.update_weights(ready, version)
+                e.load_weights(ready, version)
                 if self.partial_rollout == "requeue":
                     e.abort()  # their generations restart from scratch under the new weights
         except BaseException:
@@ -145,7 +148,7 @@ class RolloutController:
 
     def release_memory(self, weights: bool = True) -> int:
         """Ask in-process engines to give back their KV cache (and weights) while the trainer runs beside them;
-        the next update_weights restores them. Engines in other processes keep theirs. Returns bytes released."""
+        the next load_weights restores them. Engines in other processes keep theirs. Returns bytes released."""
         return sum(e.release_memory(weights) for e in self.engines)
 
     def pause(self) -> None:
@@ -164,11 +167,11 @@ class RolloutController:
 
 class _FreshPass:
     """`named_tensors()` as an iterable that calls it when iterated, and not before: an engine that does not stage
-    (InferenceEngine.stage_weights' default) starts its pass in update_weights, paused. A source whose call starts a
+    (InferenceEngine.stage_weights' default) starts its pass in load_weights, paused. A source whose call starts a
     collective (an FSDP trainer's gather, relayrl.trainer.leader) must be read once started, so it is started
     only by the engine about to read it, never before a pause that may fail."""
 
-    def __init__(self, named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]]):
+    def __init__(self, named_tensors: Callable[[], NamedTensors]):
         self._named_tensors = named_tensors
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:

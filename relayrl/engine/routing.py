@@ -115,5 +115,4 @@ def slot_cache(model: torch.nn.Module, num_layers: int, kv_heads: int, head_dim:
 
 def keep_routes(cache: SlotKVCache, seq: Seq, slot: int) -> None:
     """Before a sequence leaves its slot: copy its routed experts onto it (its GenOutput carries them)."""
-    if isinstance(cache, RoutedSlotCache):
-        seq.routed_experts = cache.routed(slot, seq.kv_len)
+    seq.routed_experts = cache.routed(slot, seq.kv_len)

@@ -32,9 +32,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from relayrl.common.errors import InputError
 from relayrl.common.imports import import_from_path
+from relayrl.common.registry import Registry, is_import_path
 
 ROW, BATCHED = "row", "batched"
+# built-in rewards judge.reward_fn may name instead of an import path (each module registers its own); workers
+# import a function by path, so a name is resolved to its function's path in the parent (judge.reward_fn_path)
+REWARDS: Registry[Callable[..., Any]] = Registry("reward function")
 TRL_ARGS = ("prompts", "completions", "completion_ids")  # what TRL passes besides the columns
 NOT_COLUMNS = ("prompt", "completion", "completion_ids")  # row fields TRL does not pass as columns
 
@@ -177,6 +182,21 @@ def reward_kwargs_problem(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tup
                 p.VAR_POSITIONAL, p.VAR_KEYWORD):
             return p.name, f"reward function {label} requires argument {p.name!r}: set it in judge.kwargs"
     return None
+
+
+def reward_function(spec: str, key: str = "judge.reward_fn") -> Callable[..., Any]:
+    """The function `spec` names: a registered name (REWARDS) or an import path; an InputError naming `key` when
+    it names nothing, or something that is not callable."""
+    if is_import_path(spec):
+        try:
+            fn = import_from_path(spec)
+        except (ImportError, ValueError) as e:
+            raise InputError(f"{key}: {e}") from None
+    else:
+        fn = REWARDS.get(spec, key)
+    if not callable(fn):
+        raise InputError(f"{key}: {spec!r} is a {type(fn).__name__}, not a function")
+    return fn
 
 
 def arguments_problem(fn: Callable[..., Any], path: str, kwargs: dict[str, Any],

@@ -14,7 +14,8 @@ without "reward", or a batched function's list of the wrong length), error (the 
 memory (the worker hit its memory cap), crashed, no_reward (every function returned None for the sample).
 
 The reward function is named by import path ('package.module:function') because it must be importable
-in another process; a callable is accepted only if it is reachable by such a path. The path is imported
+in another process; a callable is accepted only if it is reachable by such a path, and a built-in's registered
+name (functions.REWARDS: "math", ...) is replaced by its function's path here, in the parent. The path is imported
 once in the parent at construction, and its keyword arguments are checked against its signature, so a
 typo fails at start-up rather than as a stream of zero rewards. Batched functions are also tried once in a
 worker on a few dataset rows (`start(rows)`, relayrl/judge/trial.py): one that returns the wrong number of
@@ -33,8 +34,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from relayrl.common.imports import import_from_path, module_level_path
+from relayrl.common.registry import is_import_path
 from relayrl.judge.batch import BatchScorer, Coalescer, Request
 from relayrl.judge.functions import (
+    REWARDS,
     ROW,
     RewardRejected,
     batched_kwargs_problem,
@@ -110,6 +113,13 @@ class Judge:
         scorer = BatchScorer(self.functions, self.pool, self.reward_kwargs, self.timeout, max_abs_reward,
                              lambda failed: self._reason(failed.error, failed.f.label, failed.n))
         self.batches = None if single else Coalescer(self._score_batch(scorer), batch_size, workers)
+
+    @classmethod
+    def from_config(cls, j: Any) -> Judge:
+        """The judge the `judge` section (relayrl.config.schema.JudgeConfig) describes. The section's type is not
+        imported: the judge sits below the config layer."""
+        return cls(j.reward_fn, j.kwargs, timeout=j.timeout, workers=j.workers, max_abs_reward=j.max_abs_reward,
+                   memory_mb=j.memory_mb, reward_weights=j.reward_weights, batch_size=j.batch_size)
 
     def _check_functions(self) -> None:
         """judge.kwargs against every function's signature, and distinct names (each is a metric): mistakes
@@ -273,7 +283,10 @@ def _reward_and_metrics(out: Any, bound: float | None = None) -> tuple[float, di
 
 
 def reward_fn_path(fn: str | Callable[..., Any]) -> str:
-    """The 'module:name' path a worker imports `fn` by, checked now so mistakes fail at construction."""
+    """The 'module:name' path a worker imports `fn` by, checked now so mistakes fail at construction. A registered
+    name ("math") stands for its function, whose path the workers import."""
+    if isinstance(fn, str) and not is_import_path(fn):
+        fn = REWARDS.get(fn, "judge.reward_fn")
     if isinstance(fn, str):
         try:
             obj = import_from_path(fn)

@@ -35,6 +35,8 @@ from typing import Any
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+from relayrl.judge.functions import REWARDS
+
 _LATEX = [LatexExtractionConfig(boxed_match_priority=0)]
 _EXPR = [ExprExtractionConfig()]
 _MV_TIMEOUT_S = 3  # per math-verify step, main thread only; the pool's timeout bounds the whole call
@@ -61,6 +63,7 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_NoTimeoutWarning())
 
 
+@REWARDS.register("math")
 def math_reward(response: str, data: dict[str, Any], *, answer_key: str = "answer",
                 format_bonus: float = 0.0) -> dict[str, float]:
     """Score a response against `data[answer_key]`: reward = correct + format_bonus * format.

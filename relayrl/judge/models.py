@@ -7,9 +7,9 @@ Two ways to configure them:
   `rm = reward_model("path/to/rm", name="rm")`, and name them by path, `judge.reward_fn: [my_rewards:rm]`, or
   pass the objects, `train(cfg, reward=[rm])`. Workers import the module and rebuild the same objects; the
   name is the metric reward/<name>, so two judges coexist.
-- YAML alone: `relayrl.judge.models:llm_reward` (settings in `judge.kwargs.llm_judge`) or
-  `relayrl.judge.models:rm_reward` (settings in `judge.kwargs.reward_model`). judge.kwargs go to every reward
-  function, so this form suits one model reward next to functions that take **kwargs.
+- YAML alone: `llm_judge`, i.e. `relayrl.judge.models:llm_reward` (settings in `judge.kwargs.llm_judge`) or
+  `reward_model`, i.e. `relayrl.judge.models:rm_reward` (settings in `judge.kwargs.reward_model`). judge.kwargs
+  go to every reward function, so this form suits one model reward next to functions that take **kwargs.
 
 The reward model is loaded once per worker process, on its first batch (cached per (path, device)), and
 scores each prompt+completion with the chat template when its tokenizer has one (a pair of texts otherwise, as
@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from relayrl.judge.functions import REWARDS
 from relayrl.judge.llm import LLMJudge, is_conversational, llm_judge, render_prompt
 
 __all__ = ["LLMJudge", "RewardModel", "llm_judge", "llm_reward", "reward_model", "rm_reward"]
@@ -116,12 +117,14 @@ def reward_model(path: str, *, name: str = "reward_model", **settings: Any) -> R
     return RewardModel(path, name=name, module=module, **settings)
 
 
+@REWARDS.register("llm_judge")
 async def llm_reward(prompts: list[Any], completions: list[Any], *, llm_judge: dict[str, Any],
                      **columns: Any) -> list[float | None]:
     """An LLM judge configured in YAML alone: `judge.kwargs.llm_judge` holds `llm_judge`'s settings."""
     return await LLMJudge(**{"name": "llm_reward", **llm_judge})(prompts, completions, **columns)
 
 
+@REWARDS.register("reward_model")
 def rm_reward(prompts: list[Any], completions: list[Any], *, reward_model: dict[str, Any],
               **columns: Any) -> list[float]:
     """A reward model configured in YAML alone: `judge.kwargs.reward_model` holds `reward_model`'s settings

@@ -26,6 +26,7 @@ from relayrl.common.device import resolve_device
 from relayrl.models.aliases import ALIAS_DIRS, MODEL_ALIASES
 from relayrl.models.hub import hub_snapshot, looks_like_repo_id
 from relayrl.models.store import atomic_build, is_complete
+from relayrl.models.vision import is_vision_config
 
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # AutoProcessor's, besides the tokenizer
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -130,8 +131,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
 
 def is_vlm_folder(folder: str) -> bool:
     """Whether a model folder's config has a vision tower (read from config.json, nothing loaded)."""
-    cfg = json.loads((Path(folder) / "config.json").read_text())
-    return bool(cfg.get("vision_config")) and cfg.get("image_token_id") is not None
+    return is_vision_config(json.loads((Path(folder) / "config.json").read_text()))
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str | os.PathLike | None) -> list[int]:

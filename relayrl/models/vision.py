@@ -22,16 +22,18 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
-from transformers import AutoProcessor
+from transformers import AutoProcessor, PretrainedConfig
 
 from relayrl.models.images import decode_image, image_digest
 
 Images = tuple[bytes, ...]  # one prompt's images, in the order of their placeholders
 
 
-def is_vision_config(config) -> bool:
-    """Whether a model config is a vision-language model relayrl runs (a vision tower and an image token)."""
-    return getattr(config, "vision_config", None) is not None and getattr(config, "image_token_id", None) is not None
+def is_vision_config(config: PretrainedConfig | dict) -> bool:
+    """Whether a model config (loaded, or config.json's mapping) is a vision-language model relayrl runs: a vision
+    tower and an image token. The one test, for a loaded model and for a folder alike."""
+    fields = config if isinstance(config, dict) else config.to_dict()
+    return bool(fields.get("vision_config")) and fields.get("image_token_id") is not None
 
 
 def is_vlm(model: torch.nn.Module) -> bool:

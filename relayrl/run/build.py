@@ -11,25 +11,27 @@ from __future__ import annotations
 import inspect
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from relayrl.agents import AGENTS, Agent
-from relayrl.common.device import device_memory_bytes, resolve_device
+from relayrl.common.device import device_memory_bytes
 from relayrl.common.errors import InputError
 from relayrl.common.files import check_writable
 from relayrl.common.memory import fit_allocator_to, tune_allocator
 from relayrl.common.net import free_port
-from relayrl.config import ConfigError, dump_yaml, import_named
+from relayrl.config import ConfigError, dump_yaml
 from relayrl.config.schema import Config
 from relayrl.data import DataManager, PromptBuilder, load_rows
 from relayrl.data.images import IMAGES, check_model_takes_images
 from relayrl.engine.base import SamplingParams
+from relayrl.engine.dialects import dialect_class
 from relayrl.engine.local import LocalEngine, tokenizer_decode
 from relayrl.engine.remote import RemoteEngine
 from relayrl.engine.rollout import RolloutController
-from relayrl.judge import Judge, arguments_problem
+from relayrl.judge import Judge, arguments_problem, reward_function
 from relayrl.models import (
     eos_token_ids,
     is_vlm_folder,
@@ -44,16 +46,18 @@ from relayrl.run.env import Env
 from relayrl.run.launcher import ManagedServer, check_launch, make_server
 from relayrl.run.lock import LOCK_FILE, RunLock
 from relayrl.run.placement import ray_placement, rendezvous_host
-from relayrl.run.precision import resolve_precision
 from relayrl.run.producer import ProducerHandle
+from relayrl.run.resolve import resolve
 from relayrl.run.sources import InProcessRollouts
 from relayrl.scheduler import AsyncScheduler, SyncScheduler, group_filter
 from relayrl.tracking.metrics import MetricsLogger
 from relayrl.tracking.trajectories import TrajectoryLogger
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
+from relayrl.trainer.estimators import estimator_for
 from relayrl.trainer.fsdp import FSDPEngine, ReplicatedEngine
 from relayrl.trainer.lora import BaseReference
+from relayrl.trainer.losses import loss_for
 
 # a run folder's inputs/: the rows and pickled objects relayrl.api was given in memory, written before the build
 # (the config names them there, so a producer process or a Ray rebuild reads them too); a folder holding only
@@ -72,15 +76,28 @@ def new_run_dir(cfg: Config) -> Path:
 
 
 def agent_class(kind: str) -> type[Agent]:
-    return AGENTS[kind] if kind in AGENTS else import_named(kind, "agent.kind")
+    """The class agent.kind names (registered, or by import path); something else than a class is a ConfigError."""
+    cls = AGENTS.get(kind, "agent.kind")
+    if not isinstance(cls, type):
+        raise ConfigError(f"{kind!r} is a {type(cls).__name__}, not an agent class (subclass relayrl.agents.Agent)",
+                          key="agent.kind")
+    return cls
 
 
 def check_user_code(cfg: Config, rows: list[dict] | None = None) -> type[Agent]:
-    """Import the agent, group filter and reward functions the config names, and check judge.kwargs (and, for
-    TRL-style functions, the fields of `rows`) against each reward function's signature: unknown or missing
-    arguments would otherwise fail in every worker call, i.e. train on nothing but rejected samples. Returns
-    the agent class."""
+    """Import the agent, group filter, reward functions, advantage estimator and policy loss the config names, and
+    check judge.kwargs (and, for TRL-style functions, the fields of `rows`) against each reward function's
+    signature: unknown or missing arguments would otherwise fail in every worker call, i.e. train on nothing but
+    rejected samples. Group-relative estimators need data.group_size >= 2: the config cannot ask the estimator
+    itself (the trainer sits above it). Returns the agent class."""
     agent_cls = agent_class(cfg.agent.kind)
+    if cfg.engine.kind == "remote":  # the dialect, and what it can do with the launched servers and weight sync
+        dialect_class(cfg.engine.backend, launch=cfg.engine.launch, weight_sync=cfg.engine.weight_sync)
+    loss_for(cfg.algo)
+    if estimator_for(cfg.algo).group_relative and cfg.data.group_size < 2:
+        raise ConfigError(f"must be >= 2 for group-relative advantages (algo.preset={cfg.algo.preset}, "
+                          f"adv_estimator={cfg.algo.adv_estimator}); set algo.adv_mean/adv_std to batch or none for "
+                          "group_size 1", key="data.group_size")
     try:
         group_filter(cfg.scheduler.group_filter)
     except (ImportError, ValueError) as e:
@@ -98,7 +115,7 @@ def _check_rewards(cfg: Config, rows: list[dict] | None) -> None:
     columns = {k for row in rows[:1000] for k in row} if rows else None  # a field any row has reaches the reward
     for i, spec in enumerate(specs):
         key = f"judge.reward_fn[{i}]" if isinstance(cfg.judge.reward_fn, list) else "judge.reward_fn"
-        problem = arguments_problem(import_named(spec, key, function=True), spec, cfg.judge.kwargs, columns)
+        problem = arguments_problem(reward_function(spec, key), spec, cfg.judge.kwargs, columns)
         if problem is not None:
             name, why = problem
             raise ConfigError(why, key=f"judge.kwargs.{name}" if name else key)
@@ -118,9 +135,9 @@ def _check_agent_kwargs(agent_cls: type[Agent], kwargs: dict, key: str = "agent.
         if name not in named:
             hint = f"its options are {', '.join(named)}" if named else "it takes no options"
             raise ConfigError(f"unknown option for agent {agent_cls.__name__}; {hint}", key=f"{key}.{name}")
-    if callable(check := getattr(agent_cls, "check_kwargs", None)):
-        try:  # the agent's own check of its option values: an InputError whose message starts "agent.kwargs.NAME"
-            check(kwargs)
+    if issubclass(agent_cls, Agent):  # an Agent's own check of its option values (Agent.check_kwargs)
+        try:
+            agent_cls.check_kwargs(kwargs)
         except InputError as e:
             message = str(e)
             if key != "agent.kwargs" and message.startswith("agent.kwargs."):  # the value came from `key`
@@ -135,41 +152,53 @@ def sampling_params(cfg: Config, temperature: float | None = None) -> SamplingPa
                           top_k=s.top_k if t else 0, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
 
 
-ROLES = ("colocated", "eval", "producer", "trainer")
+@dataclass(frozen=True)
+class Role:
+    """What a role of `build` puts in its process: each step of the build asks a flag, never the role's name."""
+
+    name: str
+    trains: bool  # the policy's trainer is in this process (a resume restores it)
+    train_data: bool  # reads data.train (else evaluation only: data.eval is required)
+    rollouts: bool  # engines, agents, judge and prompts in this process (else in a producer process it starts)
+    owns_folder: bool  # makes, locks and writes the run folder, logs, prints the start-up choices, checks launches
+
+
+# colocated: everything in this process; eval: what evaluation needs (no trainer, no train data); trainer: the
+# policy being trained plus a producer process that builds the "producer" role (engines, agents, judge, prompts,
+# no trainer) in the trainer's folder (scheduler.placement=separate)
+ROLES = {r.name: r for r in (Role("colocated", trains=True, train_data=True, rollouts=True, owns_folder=True),
+                             Role("eval", trains=False, train_data=False, rollouts=True, owns_folder=True),
+                             Role("producer", trains=False, train_data=True, rollouts=True, owns_folder=False),
+                             Role("trainer", trains=True, train_data=True, rollouts=False, owns_folder=True))}
 
 
 def build(cfg: Config, *, role: str = "colocated", run_dir: Path | None = None) -> Components:
-    """The components of a run for one role, cheapest checks first.
-
-    colocated: everything in this process; eval: what evaluation needs (no trainer, no train data);
-    trainer: the policy being trained plus a producer process that builds the "producer" role (engines,
-    agents, judge, prompts, no trainer) in `run_dir` (scheduler.placement=separate).
-    """
+    """The components of a run for one role (`ROLES`), cheapest checks first; the producer role is built in the
+    trainer's `run_dir`."""
     if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        raise ValueError(f"role must be one of {tuple(ROLES)}, got {role!r}")
+    r = ROLES[role]
     tune_allocator()  # before any thread allocates or any model loads
-    cfg = resolve_precision(cfg, quiet=role == "producer")
+    cfg = resolve(cfg, quiet=not r.owns_folder)  # every "auto" decided once; components read only the result
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     # cheap checks first: data, agent class, reward function, output folder
-    train_rows = load_rows(cfg.data.train, "data.train", cfg.data.prompt) if role != "eval" else None
+    train_rows = load_rows(cfg.data.train, "data.train", cfg.data.prompt) if r.train_data else None
     eval_rows = load_rows(cfg.data.eval, "data.eval", cfg.data.prompt)[: cfg.eval.size] if cfg.data.eval else None
-    if role == "eval" and not eval_rows:
+    if not r.train_data and not eval_rows:
         raise ConfigError("evaluation needs an eval dataset", key="data.eval")
     _check_images(cfg, train_rows, eval_rows)  # an image for a text-only model: before any model loads
     agent_cls = check_user_code(cfg, train_rows or eval_rows)  # before any model loads
-    if role != "producer":  # (its trainer checked them)
+    if r.owns_folder:  # (a producer's trainer checked them)
         check_launch(cfg.engine)  # engine.server_args on the launched server's own parser
-    if role == "trainer":
+    if not r.rollouts:
         return _build_trainer(cfg)
-    j = cfg.judge
-    judge = Judge(j.reward_fn, j.kwargs, timeout=j.timeout, workers=j.workers, max_abs_reward=j.max_abs_reward,
-                  memory_mb=j.memory_mb, reward_weights=j.reward_weights, batch_size=j.batch_size)
+    judge = Judge.from_config(cfg.judge)
     judge.start(train_rows or eval_rows)  # worker start-up and the reward trial overlap model loading
     try:
-        return _build_with_judge(cfg, train_rows, eval_rows, agent_cls, judge, role, run_dir)
+        return _build_with_judge(cfg, train_rows, eval_rows, agent_cls, judge, r, run_dir)
     except BaseException:
         judge.close()
         raise
@@ -277,7 +306,7 @@ def _build_trainer(cfg: Config) -> Components:
 def build_follower(cfg: Config) -> TrainController:
     """A rank > 0 of train.engine=fsdp: only its shard of the trainer (see relayrl.trainer.leader)."""
     tune_allocator()
-    cfg = resolve_precision(cfg, quiet=True)
+    cfg = resolve(cfg, quiet=True)
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     model_path = resolve_model_path(cfg.model.path)
@@ -289,11 +318,11 @@ def _pad_id(tokenizer, eos: list[int]) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
 
 
-def _build_with_judge(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge, role: str,
+def _build_with_judge(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge, role: Role,
                       run_dir: Path | None) -> Components:
-    if run_dir is not None:  # a producer process: the trainer owns the folder
+    if not role.owns_folder:  # a producer process: the trainer owns the folder
         return _assemble(cfg, train_rows, eval_rows, agent_cls, judge, role, run_dir, None)
-    run_dir, ckpt, created, lock = _run_folder(cfg, resume=role == "colocated" and bool(cfg.run.resume))
+    run_dir, ckpt, created, lock = _run_folder(cfg, resume=role.trains and bool(cfg.run.resume))
     try:
         c = _assemble(cfg, train_rows, eval_rows, agent_cls, judge, role, run_dir, ckpt)
     except BaseException:
@@ -304,7 +333,7 @@ def _build_with_judge(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judg
     return c
 
 
-def _assemble(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge, role: str, run_dir: Path,
+def _assemble(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge, role: Role, run_dir: Path,
               ckpt: Path | None) -> Components:
     """Load the models and put the run together in its folder (the expensive part, after every cheap check)."""
     model_path = resolve_model_path(cfg.model.path)
@@ -312,7 +341,7 @@ def _assemble(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge, role:
     eos = eos_token_ids(tokenizer, model_path)
     servers = launch_servers(cfg, model_path, run_dir)
     try:
-        train_ctl = _train_controller(cfg, model_path, _pad_id(tokenizer, eos)) if role == "colocated" else None
+        train_ctl = _train_controller(cfg, model_path, _pad_id(tokenizer, eos)) if role.trains else None
         shared = train_ctl.engine.model if train_ctl is not None and shares_weights(cfg) else None
         engines = make_engines(cfg, model_path, eos, run_dir, [s.url for s in servers], shared_model=shared)
     except BaseException:
@@ -335,12 +364,12 @@ def _assemble(cfg: Config, train_rows, eval_rows, agent_cls, judge: Judge, role:
                                **(cfg.agent.kwargs | cfg.eval.agent_kwargs))
         eval_data = DataManager(eval_rows, PromptBuilder(tokenizer, cfg.data.prompt, cfg.data.eval, processor),
                                 group_size=cfg.eval.n, shuffle=False)
-    logger = MetricsLogger.for_run(run_dir, cfg) if role != "producer" else None
-    trajectories = TrajectoryLogger(run_dir, tokenizer) if cfg.run.log_trajectories and role != "producer" else None
+    logger = MetricsLogger.for_run(run_dir, cfg) if role.owns_folder else None
+    trajectories = TrajectoryLogger(run_dir, tokenizer) if cfg.run.log_trajectories and role.owns_folder else None
     judge.wait_ready()
     rollouts = InProcessRollouts(cfg, rollout_ctl, judge, env, data, eval_agent, eval_data)
     c = Components(cfg, run_dir, tokenizer, rollouts, train_ctl, logger, trajectories=trajectories, servers=servers)
-    if role == "colocated":
+    if role.trains:
         try:
             checkpoint.prepare(c, ckpt)  # room for checkpoints; resume: weights, optimizer, data, RNGs
         except BaseException:
@@ -381,7 +410,7 @@ def shares_weights(cfg: Config) -> bool:
     """Whether the local engine can run on the trainer's own model (engine.share_trainer_weights): only when
     nothing generates while the trainer changes the weights (sync, one engine in this process) and both want the
     same tensors (same dtype, full-parameter training on the local trainer). `cfg` has its dtypes resolved
-    (resolve_precision): an "auto" left in it never matches."""
+    (relayrl.run.resolve): an "auto" left in it never matches."""
     e = cfg.engine
     return (e.share_trainer_weights and e.kind == "local" and e.num_engines == 1 and cfg.scheduler.mode == "sync"
             and cfg.scheduler.placement != "separate" and e.dtype == cfg.model.train_dtype
@@ -393,28 +422,18 @@ def make_engines(cfg: Config, model_path: str, eos: list[int], run_dir: Path, la
     """LocalEngines in this process on run.device (on `shared_model`, the trainer's, when given), or one
     RemoteEngine per server address (checked healthy up front)."""
     e = cfg.engine
-    if e.kind == "local":
-        kw = dict(eos_token_ids=eos, max_batch_size=e.max_batch_size, max_seq_len=e.max_seq_len,
-                  max_tokens_in_flight=e.max_tokens_in_flight, prefix_cache_size=e.prefix_cache_size,
-                  kv_on_update=e.kv_on_update, attention=e.attention, weight_rounding=e.weight_rounding,
-                  stage_weights=e.stage_weights, cuda_graphs=e.cuda_graphs, prefill_tokens=e.prefill_tokens,
-                  kv_dtype=e.kv_dtype,
-                  kv_cache_bytes=None if e.kv_cache_gb is None else int(e.kv_cache_gb * 1e9))
+    if e.kind == "local":  # the tokenizer's decode: stop strings (agents' `stop`)
         if shared_model is not None:
-            return [LocalEngine(shared_model, seed=cfg.run.seed, owns_weights=False,
-                                decode=tokenizer_decode(model_path), **kw)]
-        device = resolve_device(cfg.run.device)
-        engines = [LocalEngine(load_model(model_path, dtype=e.dtype, device=device), seed=cfg.run.seed + i,
-                               decode=tokenizer_decode(model_path), **kw)  # stop strings (agents' `stop`)
+            return [LocalEngine.from_config(e, shared_model, eos_token_ids=eos, seed=cfg.run.seed,
+                                            decode=tokenizer_decode(model_path), owns_weights=False)]
+        engines = [LocalEngine.from_config(e, load_model(model_path, dtype=e.dtype, device=cfg.device),
+                                           eos_token_ids=eos, seed=cfg.run.seed + i,
+                                           decode=tokenizer_decode(model_path))
                    for i in range(e.num_engines)]
         for engine in engines:  # a model relayrl trained, stored in fp32, into a bf16 engine: rounded as sync rounds
             engine.round_in_fp32_weights(model_path)
         return engines
-    engines = RemoteEngine.for_servers(e.addresses or launched, backend=e.backend, api_key=e.api_key,
-                                       timeout=e.request_timeout, retries=e.retries,
-                                       weights_dir=weights_dir(cfg, run_dir),
-                                       weight_sync=e.weight_sync, weight_sync_backend=e.weight_sync_backend,
-                                       send_bf16=e.dtype == "bfloat16" and e.weight_rounding == "stochastic")
+    engines = RemoteEngine.from_config(e, e.addresses or launched, weights_dir(cfg, run_dir))
     try:
         for engine in engines:
             engine.wait_ready(timeout=30.0)
@@ -427,25 +446,20 @@ def make_engines(cfg: Config, model_path: str, eos: list[int], run_dir: Path, la
 
 
 def make_scheduler(cfg: Config, rollout_ctl: RolloutController) -> SyncScheduler | AsyncScheduler:
-    s = cfg.scheduler
-    keep = group_filter(s.group_filter)
-    if s.mode == "async":
-        return AsyncScheduler(cfg.data.batch_size, max_staleness=s.max_staleness, max_concurrency=s.max_concurrency,
-                              agent_timeout=cfg.agent.timeout, group_filter=keep,
-                              version_fn=lambda: rollout_ctl.version, over_sample=s.over_sample,
-                              tail_batch_trigger_size=s.tail_batch_trigger_size,
-                              tail_batch_candidate_step=s.tail_batch_candidate_step)
-    return SyncScheduler(cfg.agent.timeout, over_sample=s.over_sample, group_filter=keep,
-                         max_attempts_factor=s.max_attempts_factor)
+    if cfg.scheduler.mode == "async":
+        return AsyncScheduler.from_config(cfg.scheduler, cfg.data.batch_size, cfg.agent.timeout,
+                                          lambda: rollout_ctl.version)
+    return SyncScheduler.from_config(cfg.scheduler, cfg.agent.timeout)
 
 
 def _memory_plan(cfg: Config, train_engine: TrainEngine) -> str:
     """Settle the allocator for this trainer and say, in one line, its floor and the memory settings in force (the
-    "auto" ones decided by relayrl.common.memory.memory_is_tight from the floor and the device's memory)."""
+    "auto" ones decided by relayrl.common.memory.memory_is_tight from the floor and the device's memory: gradient
+    checkpointing at start-up, relayrl.run.resolve; the allocator here, from the loaded trainer's floor)."""
     floor = train_engine.floor_bytes  # FSDP: the whole model's (its ranks share this machine's RAM)
     total = device_memory_bytes(train_engine.device)
     share = f" = {floor / total:.0%} of {total / 1e9:.1f} GB" if total else ""
-    how = "auto" if cfg.model.gradient_checkpointing == "auto" else "set"
+    how = "auto" if cfg.resolved["model.gradient_checkpointing"]["asked"] == "auto" else "set"
     parts = [f"gradient checkpointing {'on' if train_engine.gradient_checkpointing else 'off'} ({how})"]
     if train_engine.device.type == "cpu":  # the trainer's heap: freed activations back to the OS at once or not
         parts.append(fit_allocator_to(floor))
@@ -459,17 +473,9 @@ def _train_controller(cfg: Config, model_path: str, pad_id: int) -> TrainControl
     beside it on the same device."""
     t = cfg.train
     engine_kw = dict(temperature=cfg.sampling.temperature, autocast_bf16=cfg.model.autocast_bf16)
-    optim_kw = dict(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                    gradient_checkpointing=cfg.model.gradient_checkpointing,  # "auto": decided by the engine
-                    checkpoint_saves=cfg.model.checkpoint_saves)
-    if t.engine == "fsdp":  # this process's shard; the process group is up (relayrl.run.loop.train)
-        train_engine = FSDPEngine.from_pretrained(model_path, dtype=cfg.model.train_dtype, lora=cfg.model,
-                                                  mixed_precision=t.fsdp_mixed_precision, **optim_kw, **engine_kw)
-    else:
-        train_engine = TrainEngine.from_pretrained(model_path, dtype=cfg.model.train_dtype, lora=cfg.model,
-                                                   device=resolve_device(cfg.run.device),
-                                                   optimizer_state_dtype=t.optimizer_state_dtype, **optim_kw,
-                                                   **engine_kw)
+    # FSDP: this process's shard, on its process group's device (the group is up: relayrl.run.loop.train)
+    cls = FSDPEngine if t.engine == "fsdp" else TrainEngine
+    train_engine = cls.from_config(model_path, cfg.model, t, temperature=cfg.sampling.temperature, device=cfg.device)
     print(_memory_plan(cfg, train_engine))
     ref_engine = None
     if cfg.algo.kl_coef > 0 and cfg.model.lora_rank:  # the policy with its adapters off: no second copy

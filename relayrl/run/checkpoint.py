@@ -382,7 +382,7 @@ def restore(c: Components, ckpt: Path) -> int:
             load_weights(c.train_ctl.engine.model, ckpt / "model")
         # on the CPU first: load_state_dict copies into the trainer's own device (a GPU run's checkpoint loads anywhere)
         c.train_ctl.load_state_dict(torch.load(ckpt / "trainer.pt", weights_only=True, map_location="cpu"))
-    c.rollouts.push_weights(c.train_ctl)
+    c.rollouts.load_weights(c.train_ctl.weights())
     data = torch.load(ckpt / "data.pt", weights_only=True)
     rng = torch.load(ckpt / "rng.pt", weights_only=True)
     data.setdefault("engines", rng.get("engines", []))  # older checkpoints kept the engines' generators in rng.pt
@@ -402,11 +402,12 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
 
 
 def config_changes(cfg: Config, ckpt: Path) -> list[str]:
-    """Keys outside run.* and eval.* whose values differ from the checkpoint's config (exactness needs none)."""
+    """Keys outside run.* and eval.* whose values differ from the checkpoint's config (exactness needs none).
+    `resolved` is left out: its values are in the sections, and its reasons hold this machine's measurements."""
     old = flatten(read_yaml(str(ckpt / "config.yaml")))
     new = flatten(to_dict(cfg))
     return sorted(k for k in old.keys() | new.keys()
-                  if not k.startswith(("run.", "eval.")) and old.get(k) != new.get(k))
+                  if not k.startswith(("run.", "eval.", "resolved.")) and old.get(k) != new.get(k))
 
 
 # ---- disk space ------------------------------------------------------------------------------------------

@@ -1,8 +1,12 @@
-"""The main training loops: short functions that compose the components.
+"""The training loop: one short function that composes the components.
 
-`train_colocated` is the whole synchronous algorithm: rollout, fit, relay weights, log, checkpoint.
-`train_async` decouples generation from training: a producer keeps generating beside the trainer, which takes
-batches within the staleness bound. Both start after `c.step`, the step a resumed run was checkpointed at.
+`train_steps` is the whole algorithm: take a batch, fit, relay the weights, log, evaluate, checkpoint. Sync and
+async RL share this one body; what differs lives in the rollout source (relayrl.run.sources): a synchronous
+source generates each batch on demand from the current policy, an asynchronous one keeps a producer running
+beside the trainer and hands out batches within the staleness bound, with its staleness metrics. The loop asks
+the source one question, `overlaps_training`, for the two things that follow from the engines' schedule: where
+their step's work is measured, and whether their memory serves training until the weights come back. The loop
+starts after `c.step`, the step a resumed run was checkpointed at.
 """
 
 from __future__ import annotations
@@ -27,28 +31,48 @@ from relayrl.trainer.fsdp import init_distributed, shutdown_distributed
 from relayrl.trainer.leader import follow, lead, stop_followers
 
 
-def train_colocated(c: Components) -> dict[str, float]:
-    """Colocated synchronous RL: each step trains on samples from the current policy only."""
-    cfg = c.cfg
+def train_steps(c: Components) -> dict[str, float]:
+    """RL from the source's batches: synchronous (each step trains on samples from the current policy only) or
+    asynchronous (rollouts never wait for training; every trained token is at most scheduler.max_staleness
+    policy versions old, the rollouts running in this process or, with scheduler.placement=separate, in a
+    producer process)."""
+    cfg, overlap = c.cfg, c.rollouts.overlaps_training
     last_eval = _evaluate(c, 0) if cfg.eval.at_start and c.step == 0 else {}
-    for step in (bar := _steps(c)):
-        t0, counters = time.perf_counter(), c.rollouts.engine_counters()
-        batch, metrics = c.rollouts.next_batch(c.train_ctl.version)
-        if c.trajectories is not None:
-            c.trajectories.log(batch, step)
-        metrics |= rollout_metrics(batch) | engine_metrics(counters, c.rollouts.engine_counters(),
-                                                           metrics.get("time/rollout_s"))
-        c.rollouts.release_memory()
-        metrics |= c.train_ctl.fit(batch)
-        trim_memory()  # the step's activations are free: give their pages back before the engine's weights return
-        metrics["time/weight_sync_s"] = relay_weights(c)
-        trim_memory()  # and what the sync freed, before rollout
-        metrics |= _perf(c, metrics, time.perf_counter() - t0)
-        _log(c, step, metrics, bar, batch)
-        if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.run.steps:
-            last_eval = _evaluate(c, step)
-        checkpoint.save_if_due(c, step)
+    c.rollouts.start()
+    try:
+        for step in (bar := _steps(c)):
+            t0, counters = time.perf_counter(), c.rollouts.engine_counters()
+            batch, metrics = c.rollouts.next_batch(c.train_ctl.version)
+            if c.trajectories is not None:
+                c.trajectories.log(batch, step)
+            metrics |= rollout_metrics(batch)
+            if overlap:
+                metrics |= c.train_ctl.fit(batch)
+                metrics["time/weight_sync_s"] = relay_weights(c)
+            else:  # the engines' work was this rollout; they idle until the weights come back
+                metrics |= engine_metrics(counters, c.rollouts.engine_counters(), metrics.get("time/rollout_s"))
+                metrics |= _fit_beside_idle_engines(c, batch)
+            metrics |= _perf(c, metrics, time.perf_counter() - t0)
+            if overlap:  # the engines generated through the whole step
+                metrics |= engine_metrics(counters, c.rollouts.engine_counters(), metrics["time/step_s"])
+            _log(c, step, metrics, bar, batch)
+            if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.run.steps:
+                last_eval = _evaluate(c, step)
+            checkpoint.save_if_due(c, step)
+    finally:
+        c.rollouts.stop()
     return _finish(c, last_eval)
+
+
+def _fit_beside_idle_engines(c: Components, batch: list[Sample]) -> dict[str, float]:
+    """Fit and relay while the engines idle: their memory serves training meanwhile (engine.release_during_train),
+    and what each phase frees goes back to the system before the next needs room."""
+    c.rollouts.release_memory()
+    metrics = c.train_ctl.fit(batch)
+    trim_memory()  # the step's activations are free: give their pages back before the engine's weights return
+    metrics["time/weight_sync_s"] = relay_weights(c)
+    trim_memory()  # and what the sync freed, before rollout
+    return metrics
 
 
 def _steps(c: Components) -> Progress:
@@ -82,42 +106,10 @@ def _summary(c: Components) -> None:
         tqdm.write(f"curves not drawn: {e}")
 
 
-def train_async(c: Components) -> dict[str, float]:
-    """Asynchronous RL: rollouts never wait for training; every trained token is at most
-    scheduler.max_staleness policy versions old. The rollouts run in this process or, with
-    scheduler.placement=separate, in a producer process: the loop is the same."""
-    cfg = c.cfg
-    last_eval = _evaluate(c, 0) if cfg.eval.at_start and c.step == 0 else {}
-    c.rollouts.start()
-    try:
-        for step in (bar := _steps(c)):
-            t0, counters = time.perf_counter(), c.rollouts.engine_counters()
-            batch, metrics = c.rollouts.next_batch(c.train_ctl.version)
-            if c.trajectories is not None:
-                c.trajectories.log(batch, step)
-            metrics |= rollout_metrics(batch) | staleness_metrics(batch, c.train_ctl.version)
-            # versions the engines' weights were behind the trainer's as the batch was taken (in transit to a
-            # producer process: it admits by the version it holds, so a lag shrinks what it may start)
-            metrics["rollout/engine_version_lag"] = c.train_ctl.version - c.rollouts.engine_counters().get(
-                "version", c.train_ctl.version)
-            metrics |= c.train_ctl.fit(batch)
-            metrics["time/weight_sync_s"] = relay_weights(c)
-            metrics["time/rollout_s"] = metrics["time/wait_for_batch_s"]
-            metrics |= _perf(c, metrics, time.perf_counter() - t0)
-            metrics |= engine_metrics(counters, c.rollouts.engine_counters(), metrics["time/step_s"])
-            _log(c, step, metrics, bar, batch)
-            if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.run.steps:
-                last_eval = _evaluate(c, step)
-            checkpoint.save_if_due(c, step)
-    finally:
-        c.rollouts.stop()
-    return _finish(c, last_eval)
-
-
 def relay_weights(c: Components) -> float:
-    """Send the trained weights to the rollout side (engines here, or the producer); returns seconds."""
+    """The rollout side (engines here, or the producer) loads the trainer's weights; returns seconds."""
     t0 = time.perf_counter()
-    c.rollouts.push_weights(c.train_ctl)
+    c.rollouts.load_weights(c.train_ctl.weights())
     return time.perf_counter() - t0
 
 
@@ -149,13 +141,6 @@ def engine_metrics(before: dict[str, float], after: dict[str, float], span_s: fl
     return out
 
 
-def staleness_metrics(batch: list[Sample], version: int) -> dict[str, float]:
-    """How many versions behind the trainer the oldest token of each sample is: min / mean / max."""
-    lags = [s.staleness(version) for s in batch]
-    return {"staleness/min": float(min(lags)), "staleness/mean": sum(lags) / len(lags),
-            "staleness/max": float(max(lags))}
-
-
 def train(cfg: Config) -> dict[str, float]:
     """Build a run from its config, train, and release every process and thread it started."""
     if cfg.train.engine == "fsdp":
@@ -163,7 +148,7 @@ def train(cfg: Config) -> dict[str, float]:
     c = build(cfg, role="trainer" if cfg.scheduler.placement == "separate" else "colocated")
     print(f"run folder: {c.run_dir}")
     try:
-        return train_async(c) if cfg.scheduler.mode == "async" else train_colocated(c)
+        return train_steps(c)
     finally:
         c.close()
 
@@ -185,7 +170,7 @@ def _train_data_parallel(cfg: Config) -> dict[str, float]:
         c.train_ctl = lead(c.train_ctl)
         print(f"run folder: {c.run_dir}")
         try:
-            return train_async(c) if cfg.scheduler.mode == "async" else train_colocated(c)
+            return train_steps(c)
         finally:
             c.train_ctl.stop_followers()
             c.close()

@@ -46,9 +46,11 @@ from relayrl.config.schema import Config
 from relayrl.engine.local import LocalEngine
 from relayrl.run.checkpoint import rng_state, set_rng_state
 from relayrl.run.placement import ray_placement
+from relayrl.run.sources import overlap_metrics
 from relayrl.sample import Sample
 from relayrl.scheduler.asynchronous import expiries, take_fresh
 from relayrl.trainer.lora import adapter_template
+from relayrl.weights.snapshot import NamedTensors, Weights
 from relayrl.weights.transport import DiskReceiver, DiskSender, DistReceiver, DistSender
 
 
@@ -133,6 +135,10 @@ class ProducerHandle:
     def stop(self) -> None:
         """Nothing to do: the producer keeps producing until `close`."""
 
+    @property
+    def overlaps_training(self) -> bool:
+        return True  # the producer process generates while the trainer trains
+
     def release_memory(self) -> int:
         return 0  # the engines live in the producer process
 
@@ -169,21 +175,23 @@ class ProducerHandle:
         if problem is not None:
             raise ValueError(f"the producer process could not load its checkpointed state:\n{problem}")
 
-    def push_weights(self, train_ctl) -> None:
-        self.send_weights(train_ctl.engine.named_parameters(), train_ctl.version)
-
     def next_batch(self, version: int) -> tuple[list[Sample], dict]:
-        s = self.cfg.scheduler
-        return take_fresh(self._take, self.cfg.data.batch_size, version, s.max_staleness,
-                          lambda group: self.from_trainer.put(("expire", (group[0].data, expiries(group) + 1))))
+        def expire(group: list[Sample]) -> None:
+            self.from_trainer.put(("expire", (group[0].data, expiries(group) + 1)))
 
-    def send_weights(self, named_tensors, version: int) -> None:
+        batch, metrics = take_fresh(self._take, self.cfg.data.batch_size, version, self.cfg.scheduler.max_staleness,
+                                    expire)
+        return batch, metrics | overlap_metrics(batch, version, self._counters.get("version", version), metrics)
+
+    def load_weights(self, weights: Weights) -> None:
+        """Send the weights to the producer process, which loads them when they arrive (`_receiver`): one pass of
+        them, read here."""
         if self.sender is None:
             if self.cfg.scheduler.transport == "dist":
                 self.sender = DistSender(self.dist_address, dtype=_wire_dtype(self.cfg))
             else:
                 self.sender = DiskSender(self.weights_root)
-        self.sender.send(named_tensors, version)
+        self.sender.send(weights.named_tensors(), weights.version)
 
     def evaluate(self) -> dict[str, float]:
         self.from_trainer.put(("eval", None))
@@ -242,10 +250,8 @@ def producer_main(cfg_dict: dict, run_dir: str, transport: str, dist_address: st
 
 
 def _receiver(c, transport: str, root: Path, dist_address: str | None):
-    def apply(named, version: int) -> None:
-        tensors = list(named)
-        c.rollout_ctl.update_weights(lambda: tensors, version)
-        c.env.notify_version()
+    def apply(named: NamedTensors, version: int) -> None:
+        c.rollouts.load_weights(Weights.held(list(named), version))
 
     if transport == "dist":
         engine = c.rollout_ctl.engines[0]

@@ -1,9 +1,11 @@
-"""Where a run's rollouts come from, behind one protocol, so the training loops and checkpointing never ask which.
+"""Where a run's rollouts come from, behind one protocol, so the training loop and checkpointing never ask which.
 
 Two sources exist: `InProcessRollouts` (engines, agents, judge and prompts in the trainer's process; synchronous
 or with an asynchronous producer thread) and `relayrl.run.producer.ProducerHandle` (a separate producer
 process, scheduler.placement=separate). The loop asks a source for the next batch, hands it the trained
-weights, and asks it to evaluate; a checkpoint pauses it and stores its `state_dict()`.
+weights, and asks it to evaluate; a checkpoint pauses it and stores its `state_dict()`. What sync and async
+differ in is the source's: an async one hands out batches within the staleness bound with their staleness
+(`overlap_metrics`), and says so (`overlaps_training`) for the loop's measuring and memory.
 """
 
 from __future__ import annotations
@@ -27,12 +29,25 @@ from relayrl.run.evaluator import Evaluator
 from relayrl.sample import Sample
 from relayrl.scheduler import AsyncScheduler
 from relayrl.scheduler.asynchronous import expiries
+from relayrl.weights.snapshot import Weights
 
 logger = logging.getLogger(__name__)
 
 
+def overlap_metrics(batch: list[Sample], version: int, engine_version: float, taken: dict[str, float]
+                    ) -> dict[str, float]:
+    """What an asynchronous source adds to a batch's metrics: how many versions behind the trainer the oldest token
+    of each sample is (min / mean / max); how many versions the engines' weights were behind the trainer's as the
+    batch was taken (in transit to a producer process: it admits by the version it holds, so a lag shrinks what it
+    may start); and as the step's rollout time, the trainer's wait for the batch (`taken`'s)."""
+    lags = [s.staleness(version) for s in batch]
+    return {"staleness/min": float(min(lags)), "staleness/mean": sum(lags) / len(lags),
+            "staleness/max": float(max(lags)), "rollout/engine_version_lag": version - engine_version,
+            "time/rollout_s": taken["time/wait_for_batch_s"]}
+
+
 class RolloutSource(Protocol):
-    """What the loops and checkpointing need from the rollout side, wherever it runs."""
+    """What the loop and checkpointing need from the rollout side, wherever it runs."""
 
     # the parts in this process (tests, benches and the producer process's own program reach into them); None on a
     # trainer whose rollouts run in a producer process (ProducerHandle)
@@ -42,6 +57,12 @@ class RolloutSource(Protocol):
     eval_data: DataManager | None
     judge: Judge | None
 
+    @property
+    def overlaps_training(self) -> bool:
+        """Whether rollouts run on while the trainer trains (an asynchronous producer). The loop then measures the
+        engines' work over the whole step and leaves their memory alone; a synchronous source's engines work
+        during `next_batch` only and idle, their memory free for training, until the next `load_weights`."""
+
     def start(self) -> None:
         """Begin producing ahead of the trainer (asynchronous runs); a no-op where nothing runs ahead."""
 
@@ -49,13 +70,14 @@ class RolloutSource(Protocol):
         """Stop producing ahead (the counterpart of `start`)."""
 
     def next_batch(self, version: int) -> tuple[list[Sample], dict[str, float]]:
-        """The next training batch for a trainer at `version`, and the rollout metrics of producing it."""
+        """The next training batch for a trainer at `version`, and the rollout metrics of producing it (where
+        rollouts overlap training, with `overlap_metrics`: how stale the batch is)."""
 
-    def push_weights(self, train_ctl: Any) -> None:
-        """Give the engines the trainer's current weights, stamped with its version."""
+    def load_weights(self, weights: Weights) -> None:
+        """Give the engines the trainer's weights (`TrainController.weights()`), stamped with their version."""
 
     def release_memory(self) -> int:
-        """Give back engine memory the trainer can use until the next `push_weights`; bytes freed."""
+        """Give back engine memory the trainer can use until the next `load_weights`; bytes freed."""
 
     def engine_counters(self) -> dict[str, float]:
         """The engines' running totals (`RolloutController.engine_counters`), wherever the engines run, with the
@@ -92,25 +114,26 @@ class InProcessRollouts:
     evaluator: Evaluator = field(default_factory=Evaluator)
 
     @property
-    def asynchronous(self) -> bool:
+    def overlaps_training(self) -> bool:
         return isinstance(self.env.scheduler, AsyncScheduler)
 
     def start(self) -> None:
-        if self.asynchronous:
+        if self.overlaps_training:
             self.env.start_producer(self.data)
 
     def stop(self) -> None:
-        if self.asynchronous:
+        if self.overlaps_training:
             self.env.stop_producer()
 
     def next_batch(self, version: int) -> tuple[list[Sample], dict[str, float]]:
-        if self.asynchronous:  # the producer thread runs ahead: take what is fresh enough
-            return self.env.get_batch(self.data, version)
+        if self.overlaps_training:  # the producer thread runs ahead: take what is fresh enough
+            batch, metrics = self.env.get_batch(self.data, version)
+            return batch, metrics | overlap_metrics(batch, version, float(self.rollout_ctl.version), metrics)
         metrics = self.env.produce_batch(self.data, self.cfg.data.batch_size)
         return self.data.get_batch(), metrics
 
-    def push_weights(self, train_ctl: Any) -> None:
-        train_ctl.sync_weights(self.rollout_ctl)
+    def load_weights(self, weights: Weights) -> None:
+        self.rollout_ctl.load_weights(weights)
         self.env.notify_version()
 
     def engine_counters(self) -> dict[str, float]:
@@ -119,7 +142,7 @@ class InProcessRollouts:
                                                     "weight_pause_s": stats["weight_pause_s"],
                                                     "weight_stage_s": stats["weight_stage_s"],
                                                     "version": float(self.rollout_ctl.version)}
-        if self.asynchronous:
+        if self.overlaps_training:
             out["held_s"] = self.env.scheduler.held_s
         return out
 
@@ -131,7 +154,7 @@ class InProcessRollouts:
     def _release(self, weights: bool) -> int:
         """Give back the engines' KV cache (and weights) where nothing generates until the next rollout: sync
         runs with engine.release_during_train; an async producer keeps using them."""
-        if self.asynchronous or not self.cfg.engine.release_during_train:
+        if self.overlaps_training or not self.cfg.engine.release_during_train:
             return 0
         freed = self.rollout_ctl.release_memory(weights=weights)
         trim_memory()
@@ -157,7 +180,7 @@ class InProcessRollouts:
     def paused(self) -> Iterator[None]:
         """Async: stop the producer thread and requeue what it generated but nobody trained (so the data state
         counts every drawn prompt as trained or still to generate), then start it again. Sync: nothing runs."""
-        if not self.asynchronous or not self.env.producing:
+        if not self.overlaps_training or not self.env.producing:
             yield
             return
         self.stop()
@@ -176,7 +199,7 @@ class InProcessRollouts:
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"data": self.data.state_dict(), "engines": [e.rng_state() for e in self._seeded()]}
-        if self.asynchronous:  # groups trained so far: the base of the staleness admission rule
+        if self.overlaps_training:  # groups trained so far: the base of the staleness admission rule
             manager = self.env.scheduler.manager
             state["async"] = {"accepted": manager.accepted, "stats": dict(self.env.scheduler.stats)}
         return state
@@ -185,7 +208,7 @@ class InProcessRollouts:
         self.data.load_state_dict(state["data"])
         for engine, s in zip(self._seeded(), state.get("engines", [])):
             engine.set_rng_state(s)
-        if self.asynchronous and "async" in state:
+        if self.overlaps_training and "async" in state:
             self.env.scheduler.manager.accepted = state["async"]["accepted"]
             self.env.scheduler.stats.update(state["async"]["stats"])
 

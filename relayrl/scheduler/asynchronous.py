@@ -41,12 +41,20 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from relayrl.agents.base import Agent
+from relayrl.config.schema import SchedulerConfig
 from relayrl.data.manager import EXPIRED_BEFORE, DataManager
 from relayrl.sample import Sample, Status
-from relayrl.scheduler.common import GroupFilter, keep_all, rejection_counts, rejection_metrics, run_group
+from relayrl.scheduler.common import (
+    GroupFilter,
+    group_filter,
+    keep_all,
+    rejection_counts,
+    rejection_metrics,
+    run_group,
+)
 
 
 class StalenessManager:
@@ -114,6 +122,15 @@ class AsyncScheduler:
         self._tail_left = self._tail_unstarted = 0  # the running tail batch's groups: not finished / not started
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def from_config(cls, s: SchedulerConfig, batch_size: int, agent_timeout: float | None,
+                    version_fn: Callable[[], int]) -> AsyncScheduler:
+        """The producer's scheduler as the scheduler section sets it; `version_fn`: the engines' weight version."""
+        return cls(batch_size, max_staleness=s.max_staleness, max_concurrency=s.max_concurrency,
+                   agent_timeout=agent_timeout, group_filter=group_filter(s.group_filter), version_fn=version_fn,
+                   over_sample=s.over_sample, tail_batch_trigger_size=s.tail_batch_trigger_size,
+                   tail_batch_candidate_step=s.tail_batch_candidate_step)
 
     # ---- producer side (on the Env's event loop) ------------------------------------------------
     async def produce_loop(self, data_mgr: DataManager, agent: Agent) -> None:

@@ -32,7 +32,7 @@ async def run_agent(agent: Agent, sample: Sample, timeout: float | None) -> list
         sample.error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
     else:
         check_agent_output(agent, out)
-        reject_untrustworthy(out, getattr(agent.judge, "max_abs_reward", None))
+        reject_untrustworthy(out, None if agent.judge is None else agent.judge.max_abs_reward)
         return out
     sample.status = Status.FAILED
     return [sample]

@@ -18,11 +18,19 @@ import math
 import time
 
 from relayrl.agents.base import Agent
+from relayrl.config.schema import SchedulerConfig
 from relayrl.data.manager import DataManager
 from relayrl.engine.priority import urgent
 from relayrl.sample import Status
 from relayrl.scheduler.asynchronous import AsyncScheduler
-from relayrl.scheduler.common import GroupFilter, keep_all, rejection_counts, rejection_metrics, run_group
+from relayrl.scheduler.common import (
+    GroupFilter,
+    group_filter,
+    keep_all,
+    rejection_counts,
+    rejection_metrics,
+    run_group,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +42,12 @@ class SyncScheduler:
         self.agent_timeout, self.over_sample = agent_timeout, over_sample
         self.group_filter, self.max_attempts_factor = group_filter, max_attempts_factor
         self.preempts = preempts
+
+    @classmethod
+    def from_config(cls, s: SchedulerConfig, agent_timeout: float | None) -> SyncScheduler:
+        """The training scheduler as the scheduler section sets it (mode sync)."""
+        return cls(agent_timeout, over_sample=s.over_sample, group_filter=group_filter(s.group_filter),
+                   max_attempts_factor=s.max_attempts_factor)
 
     async def produce_batch(self, batch_size: int, data_mgr: DataManager, agent: Agent) -> dict[str, float]:
         if self.preempts is None:

@@ -163,7 +163,7 @@ async def update_from_disk(body: dict[str, Any], state: Any) -> tuple[int, dict[
     try:
         model_state = state.engine.model.state_dict()
         tensors = await asyncio.to_thread(load_checked, model_state, state.weights_root, folder, shown)
-        await asyncio.to_thread(state.engine.update_weights, tensors.items(), version)
+        await asyncio.to_thread(state.engine.load_weights, tensors.items(), version)
     except BadRequest as e:
         return 400, {"success": False, "message": str(e), "weight_version": state.engine.version}
     return 200, {"success": True, "message": f"loaded {len(tensors)} tensors from {shown}", "weight_version": version}

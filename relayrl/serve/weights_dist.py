@@ -209,7 +209,7 @@ def weight_routes(state: ServerState) -> list[Route]:
             await asyncio.to_thread(check_tensors, tensors, state.engine.model.state_dict(), "names")
         except BadRequest as e:
             return _answer(False, str(e), weight_version=state.engine.version)
-        await asyncio.to_thread(state.engine.update_weights, tensors, version)
+        await asyncio.to_thread(state.engine.load_weights, tensors, version)
         if body.get("flush_cache", True):
             await asyncio.to_thread(state.engine.flush_cache)
         return _answer(True, f"received {len(tensors)} tensors", weight_version=version)

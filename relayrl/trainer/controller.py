@@ -2,8 +2,9 @@
 
 Each step of `fit` is also public (the low-level API), so a custom loop can reorder or
 replace any of them. State between the steps lives in a `TrainBatch` (relayrl.trainer.packer).
-The controller owns what the algorithm needs beyond the policy engine: the PPO critic (built here when
-`algo.adv_estimator == "gae"`, so callers need not know about it) and the learning-rate schedule.
+The controller owns what the algorithm needs beyond the policy engine: the advantage estimator and the policy loss
+that algo.adv_estimator and algo.policy_loss name (relayrl.trainer.estimators, relayrl.trainer.losses), the PPO
+critic (built here when the estimator needs one, so callers need not know about it) and the learning-rate schedule.
 """
 
 from __future__ import annotations
@@ -19,27 +20,25 @@ from relayrl.trainer import routing
 from relayrl.trainer.algo import (
     LossInputs,
     behav_weights,
-    compute_advantages,
-    discounted_cumsum,
     explained_variance,
-    gae,
     kl_estimate,
     mismatch_kl,
     overlong_penalty,
-    policy_loss,
     reduce_stats,
     rollout_correction,
     shape_rewards,
     token_weights,
-    turn_end_rewards,
     value_loss,
     whiten,
 )
 from relayrl.trainer.engine import TrainEngine
+from relayrl.trainer.estimators import AdvantageInputs, estimator_for
 from relayrl.trainer.lora import is_lora
+from relayrl.trainer.losses import loss_for
 from relayrl.trainer.packer import MicroBatch, Packer, TrainBatch
 from relayrl.trainer.schedule import LRSchedule
 from relayrl.trainer.value import Critic
+from relayrl.weights.snapshot import Weights
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +51,9 @@ class TrainController:
         self.packer = Packer(train.micro_batch_tokens, pad_id, train.share_prompt, train.row_tokens)
         self.max_new_tokens = max_new_tokens
         self.version = 0
+        self.estimator, self.policy_loss = estimator_for(algo), loss_for(algo)  # an InputError names a bad key
         self.critic = critic
-        if critic is None and algo.adv_estimator == "gae":  # PPO: the controller owns its value model
+        if critic is None and self.estimator.needs_critic:  # PPO: the controller owns its value model
             self.critic = self._build_critic()
         self.schedule = LRSchedule(train.lr_schedule, warmup=train.warmup_steps, total=train.total_steps,
                                    min_ratio=train.min_lr_ratio)
@@ -80,7 +80,7 @@ class TrainController:
 
     def uses_groups(self) -> bool:
         """Whether advantages compare a sample with its group (GRPO, RLOO, ...): then a group needs 2 samples."""
-        return self.algo.adv_mean in ("group", "group_batch") or self.algo.adv_std == "group"
+        return self.estimator.group_relative
 
     def drop_small_groups(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
         """Leave out groups with fewer than 2 samples when advantages are group-relative: a lone sample has no
@@ -125,29 +125,25 @@ class TrainController:
         return batch
 
     def compute_advantages(self, batch: TrainBatch) -> TrainBatch:
-        """Per-token advantages: shaped scalar rewards -> group baseline/scale -> per-token return or GAE
-        (minus the KL to the reference when it is in the reward) -> batch whitening over tokens.
+        """Per-token advantages: shaped scalar rewards -> the estimator (algo.adv_estimator: group baseline/scale,
+        then per-token return or GAE, with the KL to the reference when it is in the reward) -> batch whitening over
+        tokens.
 
         Scalar rewards are sample rewards, or per-turn rewards when an agent set them on every turn: then every
-        (sample, turn) is one entry of the group statistics (grouped by turn index: algo.turn_baseline). The
-        return estimator uses turn returns (`Turn.reward`), each turn's tokens getting that turn's value (a
-        one-turn sample reduces to plain GRPO). GAE uses each turn's own reward (`Turn.step_reward`) on that
-        turn's last generated token, and discounts with algo.gamma itself; otherwise the sample reward on its last
-        trained token.
+        (sample, turn) is one entry of the group statistics (grouped by turn index: algo.turn_baseline), and the
+        estimator says which per-turn reward it reads (relayrl.trainer.estimators).
         """
         a = self.algo
         self._step_stats = {}
         batch.per_token["behav_logp"] = [torch.tensor([lp for lp, m in zip(s.logprobs, s.loss_mask) if m])
                                          for s in batch.samples]
-        gae_mode = a.adv_estimator == "gae"
-        outcome = self._outcome(batch, "step_reward" if gae_mode else "reward")
-        kl = self._reward_kl(batch)
-        if gae_mode:
-            adv = self._gae(batch, outcome, kl)
-        else:
-            adv = [_token_values(s, v) for s, v in zip(batch.samples, outcome)]
-        if kl is not None and not gae_mode:  # REINFORCE++: token t's return also carries the KL still to come
-            adv = [o - a.kl_coef * k for o, k in zip(adv, discounted_cumsum(kl, 1.0))]
+        out = self.estimator.estimate(self._advantage_inputs(batch))
+        adv = out.advantages
+        if out.returns is not None and "values" in batch.per_token:  # the critic's targets
+            batch.per_token["returns"] = out.returns
+            returns = torch.cat(out.returns)
+            self._step_stats |= {"train/explained_var": explained_variance(batch.flat("values"), returns),
+                                 "train/return_mean": float(returns.mean())}
         flat = whiten(torch.cat(adv), mean=a.adv_mean in ("batch", "group_batch"), std=a.adv_std == "batch")
         batch.per_token["advantages"] = list(flat.split(batch.lengths))
         if "old_logp" in batch.per_token:  # otherwise the loss measures and weighs with its own forward's
@@ -236,9 +232,10 @@ class TrainController:
         live = [i for i in part if bool(batch.per_token["advantages"][i].any())]
         return live or part
 
-    def sync_weights(self, rollout_ctl) -> None:
-        """Relay the new weights to every inference engine behind `rollout_ctl`."""
-        rollout_ctl.update_weights(self.engine.named_parameters, self.version)
+    def weights(self) -> Weights:
+        """The policy's weights as of now, for the rollout side to load (it drives the engines, not the trainer):
+        every parameter, or a LoRA model's adapters (TrainEngine.named_parameters)."""
+        return Weights(self.engine.named_parameters, self.version)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The policy's weights whole, for an export: None, since this process's model holds them whole (its own
@@ -290,15 +287,16 @@ class TrainController:
     def _kl_in_reward(self) -> bool:
         return self.algo.kl_mode == "reward" and self.algo.kl_coef > 0 and self.ref_engine is not None
 
-    def _outcome(self, batch: TrainBatch, turn_key: str) -> list[dict[int | None, float]]:
-        """Per sample: its shaped reward after the group baseline/scale (key None), or each turn's (key = turn
-        index) when every turn has a `turn_key` value ("reward": the turn return, "step_reward": its own).
+    def _advantage_inputs(self, batch: TrainBatch) -> AdvantageInputs:
+        """The estimator's inputs: each sample's shaped reward (entry turn None), or each turn's when every turn has
+        the estimator's `turn_reward` value ("reward": the turn return, "step_reward": its own); critic values; the
+        KL for the reward.
 
-        Turn entries are baselined against the same turn of the group's other samples (algo.turn_baseline=turn):
-        the k-th attempt's state is "k-1 attempts failed", so only other k-th attempts estimate its value. Pooled
-        with turn 1's returns (which carry the later failures' penalties), a failed last retry would score above
-        the mean and be reinforced."""
-        a = self.algo
+        Turn entries are grouped with the same turn of the group's other samples (algo.turn_baseline=turn): the
+        k-th attempt's state is "k-1 attempts failed", so only other k-th attempts estimate its value. Pooled with
+        turn 1's returns (which carry the later failures' penalties), a failed last retry would score above the
+        mean and be reinforced."""
+        a, turn_key = self.algo, self.estimator.turn_reward
         entries = []  # (sample index, turn index or None, reward, generated tokens)
         for i, s in enumerate(batch.samples):
             if s.turns and all(getattr(t, turn_key) is not None for t in s.turns):
@@ -313,17 +311,12 @@ class TrainController:
         by_turn = a.turn_baseline == "turn"
         groups = [f"{batch.samples[i].group_id}\x00{j}" if by_turn and j is not None else batch.samples[i].group_id
                   for i, j, _, _ in entries]
-        adv = compute_advantages(rewards, groups,
-                                 mean="group" if a.adv_mean in ("group", "group_batch") else "none",
-                                 std="group" if a.adv_std == "group" else "none", leave_one_out=a.adv_leave_one_out)
         if a.overlong_buffer:
             self._step_stats |= {"train/overlong_frac": float((penalty < 0).float().mean()),
                                  "train/overlong_penalty_mean": float(penalty.mean())}
         self._step_stats["train/reward_shaped_mean"] = float(rewards.mean())
-        per_sample: list[dict] = [{} for _ in batch.samples]
-        for (i, j, _, _), v in zip(entries, adv.tolist()):
-            per_sample[i][j] = v
-        return per_sample
+        return AdvantageInputs(batch.samples, rewards, [(i, j) for i, j, _, _ in entries], groups,
+                               values=batch.per_token.get("values"), kl=self._reward_kl(batch))
 
     def _reward_kl(self, batch: TrainBatch) -> list[torch.Tensor] | None:
         """Per-token KL(pi_old || pi_ref) estimates for the reward (None when KL is not in the reward)."""
@@ -333,26 +326,6 @@ class TrainController:
         kl = [kl_estimate(o, r, self.algo.kl_estimator) for o, r in zip(old, batch.per_token["ref_logp"])]
         self._step_stats["train/kl_reward_mean"] = float(torch.cat(kl).mean())
         return kl
-
-    def _gae(self, batch: TrainBatch, outcome: list[dict[int | None, float]], kl: list[torch.Tensor] | None) -> list:
-        """GAE with the sample's reward on its last trained token, or each turn's reward on the turn's last
-        generated token (per-turn rewards), minus kl_coef * KL on every token."""
-        a = self.algo
-        if "values" not in batch.per_token:
-            raise ValueError("algo.adv_estimator=gae needs critic values: run compute_values first")
-        rewards = []
-        for i, (s, o) in enumerate(zip(batch.samples, outcome)):
-            if None in o:
-                r = torch.zeros(s.num_trained_tokens)
-                r[-1] = o[None]
-            else:
-                r = turn_end_rewards(s.loss_mask, [(t.start, t.end) for t in s.turns], [o[j] for j in range(len(o))])
-            rewards.append(r - a.kl_coef * kl[i] if kl is not None else r)
-        adv, returns = gae(rewards, batch.per_token["values"], a.gamma, a.lam)
-        batch.per_token["returns"] = returns
-        self._step_stats |= {"train/explained_var": explained_variance(batch.flat("values"), torch.cat(returns)),
-                             "train/return_mean": float(torch.cat(returns).mean())}
-        return adv
 
     def _forward_into(self, engine: TrainEngine, batch: TrainBatch, key: str) -> None:
         for mb, logp in zip(batch.micro_batches, engine.forward_logprobs_all(batch.micro_batches), strict=True):
@@ -380,9 +353,6 @@ class TrainController:
             store[i] = w
 
     def _loss_fn(self, batch: TrainBatch, stat_weight: float):
-        a = self.algo
-        kl_loss_coef = a.kl_coef if a.kl_mode == "loss" else 0.0  # in reward mode, kl_ref is only logged
-
         def loss_fn(mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor | None):
             seq_lengths = [batch.samples[i].num_trained_tokens for i in mb.sample_idx]
             behav, behav_w, extra = batch.gather("behav_logp", mb), batch.gather("behav_weight", mb), {}
@@ -396,9 +366,7 @@ class TrainController:
             inp = LossInputs(old_logp=old, advantages=batch.gather("advantages", mb),
                              weights=batch.gather("weights", mb), stat_weight=stat_weight,
                              ref_logp=batch.gather("ref_logp", mb), behav_weight=behav_w, seq_lengths=seq_lengths)
-            loss, stats = policy_loss(logp, entropy, inp, clip_low=a.clip_low, clip_high=a.clip_high,
-                                      kl_coef=kl_loss_coef, kl_estimator=a.kl_estimator,
-                                      entropy_coef=a.entropy_coef, ratio_level=a.ratio_level)
+            loss, stats = self.policy_loss(logp, entropy, inp, self.algo)
             stats |= extra
             diff = (logp.detach() - behav).abs()
             stats["logprob_diff_engine_abs"] = float(diff.sum()) * stat_weight
@@ -426,16 +394,6 @@ class TrainController:
                 "train/pad_frac": 1.0 - forwarded / max(1, sum(mb.padded_tokens for mb in batch.micro_batches)),
                 # share of sequence tokens whose forward/backward was saved by sharing prompts
                 "train/shared_prompt_saving": 1.0 - forwarded / max(1, sum(len(s.input_ids) for s in batch.samples))}
-
-
-def _token_values(sample: Sample, values: dict[int | None, float]) -> torch.Tensor:
-    """Per trained token: the sample's value (key None) or its turn's value (key = turn index)."""
-    if None in values:
-        return torch.full((sample.num_trained_tokens,), values[None])
-    by_position = torch.zeros(len(sample.response_ids))
-    for j, turn in enumerate(sample.turns):
-        by_position[turn.start: turn.end] = values[j]
-    return by_position[torch.tensor(sample.loss_mask, dtype=torch.bool)]
 
 
 def _split(items: list[int], parts: int) -> list[list[int]]:

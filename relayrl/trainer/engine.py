@@ -19,8 +19,9 @@ from collections.abc import Callable
 
 import torch
 
-from relayrl.common.device import avoid_cudnn_attention, device_memory_bytes, model_device
-from relayrl.common.memory import checkpointing_on, training_floor, trim_memory
+from relayrl.common.device import avoid_cudnn_attention, model_device
+from relayrl.common.memory import training_floor, trim_memory
+from relayrl.config.schema import ModelConfig, TrainConfig
 from relayrl.models import fused, load_model
 from relayrl.models.attention import install as install_attention
 from relayrl.models.attention import segments_pay_off
@@ -45,11 +46,12 @@ class TrainEngine:
 
     def __init__(self, model: torch.nn.Module, *, lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
                  weight_decay: float = 0.0, grad_clip: float = 1.0, temperature: float = 1.0,
-                 autocast_bf16: bool = False, gradient_checkpointing: bool | str = False,
+                 autocast_bf16: bool = False, gradient_checkpointing: bool = False,
                  optimizer_state_dtype: str = "float32", checkpoint_saves: Saves = "nothing"):
-        """gradient_checkpointing "auto": on when the training floor (relayrl.common.memory.training_floor) is a large
-        share of the device's memory (relayrl.common.memory.checkpointing_on); the choice is `gradient_checkpointing`.
-        checkpoint_saves: what checkpointed layers keep for backward (relayrl.trainer.checkpointing)."""
+        """gradient_checkpointing: resolved (model.gradient_checkpointing "auto" is decided at start-up from the
+        training floor, relayrl.run.resolve). checkpoint_saves: what checkpointed layers keep for backward
+        (relayrl.trainer.checkpointing)."""
+        check_resolved(gradient_checkpointing=gradient_checkpointing, autocast_bf16=autocast_bf16)
         self.model = model
         self.device = model_device(model)
         avoid_cudnn_attention(self.device)
@@ -59,8 +61,7 @@ class TrainEngine:
         self.model.eval()
         self._trainable = bool(params)
         self.floor_bytes, self.floor_params = training_floor(params)
-        self.gradient_checkpointing = checkpointing_on(gradient_checkpointing, self.floor_bytes,
-                                                       device_memory_bytes(self.device))
+        self.gradient_checkpointing = gradient_checkpointing
         if self.gradient_checkpointing:
             self.model.activation_checkpointing_enable(
                 activation_checkpointing_kwargs=checkpoint_kwargs(model, checkpoint_saves))
@@ -80,6 +81,20 @@ class TrainEngine:
         self.last_replay: Replay | None = None  # the last forward's replay, with its agreement counts
         self._replay: Replay | None = None  # the micro-step's, open through its backward
         self.pixels = pixel_inputs(model)  # a vision-language policy's image processor (relayrl.trainer.vision)
+
+    @classmethod
+    def from_config(cls, path: str, m: ModelConfig, t: TrainConfig, *, temperature: float,
+                    device: str | None) -> TrainEngine:
+        """The policy's engine from the model and train sections, resolved (relayrl.run.resolve), on `device`."""
+        return cls.from_pretrained(path, dtype=m.train_dtype, lora=m, device=device, **cls.config_kwargs(m, t),
+                                   temperature=temperature, optimizer_state_dtype=t.optimizer_state_dtype)
+
+    @staticmethod
+    def config_kwargs(m: ModelConfig, t: TrainConfig) -> dict:
+        """The keyword arguments the model and train sections give every trainer engine (FSDPEngine's too)."""
+        return dict(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                    autocast_bf16=m.autocast_bf16, gradient_checkpointing=m.gradient_checkpointing,
+                    checkpoint_saves=m.checkpoint_saves)
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str = "float32", lora=None, device: str | torch.device | None = None,
@@ -248,3 +263,11 @@ def decoder_inputs(mb: MicroBatch, segments: bool) -> dict:
     extra = {"relayrl_segments": mb.layout} if segments and mb.layout is not None else {}
     return {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "position_ids": mb.position_ids,
             "use_cache": False, **extra}
+
+
+def check_resolved(**settings: object) -> None:
+    """Trainer settings are booleans here: their "auto" is decided once at start-up (relayrl.run.resolve)."""
+    for name, value in settings.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r} (\"auto\" is resolved at start-up: "
+                            "relayrl.run.resolve)")

@@ -41,13 +41,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from relayrl.common.device import device_memory_bytes
-from relayrl.common.memory import checkpointing_on, training_floor
+from relayrl.common.memory import training_floor
+from relayrl.config.schema import ModelConfig, TrainConfig
 from relayrl.models.attention import install as install_attention
 from relayrl.models.attention import segments_pay_off
 from relayrl.trainer.algo import reduce_stats
 from relayrl.trainer.checkpointing import Saves, checkpoint_kwargs
-from relayrl.trainer.engine import LossFn, TrainEngine, decoder_inputs, head_logprobs
+from relayrl.trainer.engine import LossFn, TrainEngine, check_resolved, decoder_inputs, head_logprobs
 from relayrl.trainer.lora import adapter_tensors, is_lora
 from relayrl.trainer.packer import MicroBatch, balance_ranks
 
@@ -94,12 +94,14 @@ class FSDPEngine(TrainEngine):
     sharded = True  # relayrl.run.checkpoint: weights and optimizer state are saved per rank (checkpoint_dist)
 
     def __init__(self, model: torch.nn.Module, *, mixed_precision: bool = False,
-                 gradient_checkpointing: bool | str = False, checkpoint_saves: Saves = "nothing", **kwargs):
+                 gradient_checkpointing: bool = False, checkpoint_saves: Saves = "nothing", **kwargs):
         """Shard `model` (fully_shard per decoder layer, then the root) across the process group.
 
         mixed_precision: bf16 parameters in forward/backward, fp32 gradient reduction and fp32 master
-        weights in the optimizer (FSDP2's MixedPrecisionPolicy).
+        weights in the optimizer (FSDP2's MixedPrecisionPolicy). gradient_checkpointing: resolved at start-up
+        (relayrl.run.resolve counts an FSDP GPU rank's share of the floor, a CPU rank's whole floor).
         """
+        check_resolved(gradient_checkpointing=gradient_checkpointing)
         if not dist.is_initialized():
             raise RuntimeError("FSDPEngine needs a process group: call relayrl.trainer.fsdp.init_distributed() "
                                "first (run under torchrun, or set RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT)")
@@ -107,10 +109,6 @@ class FSDPEngine(TrainEngine):
         device = (torch.device("cuda", torch.cuda.current_device())
                   if dist.get_backend() == "nccl" else torch.device("cpu"))
         floor, n = training_floor(model.parameters())  # the whole model's, unsharded
-        # CPU ranks share the machine's RAM; GPU ranks hold a share each
-        gradient_checkpointing = checkpointing_on(gradient_checkpointing,
-                                                  floor // (self.world_size if device.type == "cuda" else 1),
-                                                  device_memory_bytes(device))
         if gradient_checkpointing:  # before sharding, while the layers are plain modules
             model.activation_checkpointing_enable(**({} if checkpoint_saves == "nothing" else {
                 "activation_checkpointing_kwargs": checkpoint_kwargs(model, checkpoint_saves)}))
@@ -119,6 +117,14 @@ class FSDPEngine(TrainEngine):
         super().__init__(model, **kwargs)  # TrainEngine moves micro-batches to self.device, returns logprobs on CPU
         self.device = device  # the backend's device, whatever a sharded parameter reports
         self.gradient_checkpointing, self.floor_bytes, self.floor_params = gradient_checkpointing, floor, n
+
+    @classmethod
+    def from_config(cls, path: str, m: ModelConfig, t: TrainConfig, *, temperature: float,
+                    device: str | None = None) -> FSDPEngine:
+        """This rank's shard from the resolved model and train sections, on its process group's device (`device`,
+        the run's, is where the group was set up for: relayrl.run.loop)."""
+        return cls.from_pretrained(path, dtype=m.train_dtype, lora=m, mixed_precision=t.fsdp_mixed_precision,
+                                   temperature=temperature, **cls.config_kwargs(m, t))
 
     # ---- forward ------------------------------------------------------------------------------
     def _token_logprobs(self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool):

@@ -21,6 +21,7 @@ from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
 from relayrl.trainer.shards import load_shards, save_shards
 from relayrl.trainer.value import Critic
+from relayrl.weights.snapshot import Weights
 
 
 def _send(command: str, payload: Any = None) -> None:
@@ -79,8 +80,10 @@ class LeaderController:
         _send("fit", samples)
         return self._ctl.fit(samples)
 
-    def sync_weights(self, rollout_ctl) -> None:
-        rollout_ctl.update_weights(self.engine.named_parameters, self._ctl.version)
+    def weights(self) -> Weights:
+        """The policy's weights for the rollout side: each pass it reads gathers them whole, the followers joining
+        (`_LeaderEngine.named_parameters`)."""
+        return Weights(self.engine.named_parameters, self._ctl.version)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights gathered whole (every rank takes part), for an export."""

@@ -1,6 +1,6 @@
 """Weight transports: how new policy weights travel from the trainer to the rollout side.
 
-- in-process: the trainer copies tensors straight into the engines (`RolloutController.update_weights`);
+- in-process: the engines load the trainer's tensors as they are (`RolloutController.load_weights`);
 - disk: the trainer writes `ROOT/v{version}/model.safetensors` (to a temp folder, renamed when complete)
   and then the version number to `ROOT/LATEST` (atomically); the rollout side polls LATEST and loads. It
   works across processes and, on a shared file system, machines; inference servers can load the folder;

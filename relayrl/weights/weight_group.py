@@ -177,7 +177,7 @@ class DistributedSync:
 
     The RemoteEngines of a RolloutController share one instance: the first update builds the group (world
     size 1 + servers, server i at rank_offset 1 + i); each update then posts /update_weights_from_distributed
-    to every server at once while this process broadcasts. RolloutController calls update_weights once per
+    to every server at once while this process broadcasts. RolloutController calls load_weights once per
     engine: the first call of a round transfers to all servers, the others only catch up. Any failure closes
     the group (so no server stays blocked on it) and raises WeightSyncError; the next update builds a new one.
     """
@@ -200,7 +200,7 @@ class DistributedSync:
             self.members.append(engine)
 
     def update(self, engine: Member, named_tensors: Named, version: int) -> None:
-        """Called by each member's update_weights; see the class docstring."""
+        """Called by each member's load_weights; see the class docstring."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the weight group is closed")

@@ -19,6 +19,7 @@ from device_checks import (
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.engine.rollout import RolloutController
+from relayrl.weights.snapshot import Weights
 
 GREEDY_SHORT = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
 
@@ -81,8 +82,8 @@ def test_staging_a_gpu_update_waits_for_the_kernels_that_write_it(tiny_path):
             t.copy_(target[n])
         staged = engines[0].stage_weights(src.items(), 1)
         assert all(t.dtype == torch.bfloat16 for _, t in staged)
-        RolloutController([engines[0]]).update_weights(lambda: staged, 1)
-        RolloutController([engines[1]]).update_weights(lambda: target.items(), 1)
+        RolloutController([engines[0]]).load_weights(Weights(lambda: staged, 1))
+        RolloutController([engines[1]]).load_weights(Weights(lambda: target.items(), 1))
         for (name, a), (_, b) in zip(engines[0].model.named_parameters(), engines[1].model.named_parameters()):
             assert torch.equal(a, b), name
         assert fut.result(timeout=60).versions[-1] == 1
@@ -110,7 +111,7 @@ def test_staging_is_skipped_on_a_gpu_without_the_memory_for_it(tiny_path):
         hog = None
         torch.cuda.empty_cache()
         assert all(t.is_cuda for _, t in eng.stage_weights(host.items(), 1))
-        RolloutController([eng]).update_weights(lambda: host.items(), 1)
+        RolloutController([eng]).load_weights(Weights(lambda: host.items(), 1))
         assert fut.result(timeout=60).versions[-1] == 1
     finally:
         del hog
@@ -239,7 +240,7 @@ def test_host_weights_for_a_bf16_cuda_engine_are_rounded_on_the_gpu(tiny_path, m
     eng = LocalEngine(load_model(tiny_path, dtype="bfloat16", device="cuda"), eos_token_ids=[], max_batch_size=2)
     try:
         host = {n: p.detach().float().cpu() + 1e-3 * torch.randn(p.shape) for n, p in eng.model.named_parameters()}
-        RolloutController([eng]).update_weights(lambda: host.items(), 1)
+        RolloutController([eng]).load_weights(Weights(lambda: host.items(), 1))
         assert devices and set(devices) == {"cuda"}
         for name, p in eng.model.named_parameters():
             src = host[name]
@@ -260,7 +261,7 @@ def test_a_run_on_a_launched_relayrl_serve_on_cuda(tiny_path, tmp_path):
 
     from relayrl.config.schema import load_run_config
     from relayrl.run.build import build
-    from relayrl.run.loop import train_colocated
+    from relayrl.run.loop import train_steps
 
     over = {"run.device": "cuda", "run.steps": 2, "sampling.max_new_tokens": 6, "engine.kind": "remote",
             "engine.launch": "relayrl", "engine.server_args": "[--device, cuda]"}
@@ -268,7 +269,7 @@ def test_a_run_on_a_launched_relayrl_serve_on_cuda(tiny_path, tmp_path):
     c = build(load_run_config(None, tiny_run_args(tiny_path, data, tmp_path, **over)))
     try:
         assert "--device" in c.servers[0].cmd and " on cuda (" in c.servers[0].log_tail()  # its start line
-        train_colocated(c)
+        train_steps(c)
         assert c.train_ctl.version == 2 and c.rollout_ctl.engines[0].refresh_version() == 2
     finally:
         c.close()

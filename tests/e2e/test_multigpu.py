@@ -75,7 +75,7 @@ RECEIVER = textwrap.dedent("""
     received = group.receive(specs)
     group.close()
     engine = LocalEngine(model, eos_token_ids=[])
-    engine.update_weights(received, version=1)
+    engine.load_weights(received, version=1)
     out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))[0]
     engine.close()
     print(json.dumps({"ids": out.output_ids, "logprobs": out.logprobs, "device": str(received[0][1].device)}))

@@ -12,7 +12,7 @@ from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path
 from relayrl.run.build import build
-from relayrl.run.loop import train_colocated
+from relayrl.run.loop import train_steps
 from relayrl.sample import Sample
 from relayrl.trainer.engine import TrainEngine
 from relayrl.trainer.packer import Packer
@@ -63,7 +63,7 @@ def test_one_grpo_step_on_smollm2(smol, tmp_path):
     c = build(cfg)
     try:
         before = {n: p.detach().clone() for n, p in c.train_ctl.engine.model.named_parameters()}
-        train_colocated(c)
+        train_steps(c)
         engine_w = dict(c.rollout_ctl.engines[0].model.named_parameters())
         changed = [n for n, p in c.train_ctl.engine.model.named_parameters() if not torch.equal(p, before[n])]
         for n, p in c.train_ctl.engine.model.named_parameters():  # the engine holds the relayed weights: the

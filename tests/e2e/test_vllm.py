@@ -18,7 +18,7 @@ from relayrl.engine import LocalEngine, RemoteEngine, SamplingParams
 from relayrl.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path
 from relayrl.run.build import build
 from relayrl.run.launcher import vllm_server
-from relayrl.run.loop import train_colocated
+from relayrl.run.loop import train_steps
 
 VLLM_PYTHON = str(Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python")
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not os.path.exists(VLLM_PYTHON),
@@ -63,7 +63,7 @@ def test_vllm_tokens_and_logprobs_agree_with_the_local_engine(server, smol, tmp_
             for p in model.parameters():
                 p.add_(0.02 * torch.randn_like(p))
         engine.pause()
-        engine.update_weights(model.named_parameters(), version=1)
+        engine.load_weights(model.named_parameters(), version=1)
         engine.resume()
         after = asyncio.run(engine.agenerate(ids, greedy))
         assert after.versions == [1] * len(after.output_ids) and after.output_ids != remote.output_ids
@@ -86,7 +86,7 @@ def test_two_training_steps_on_a_launched_vllm_server(smol, tmp_path):
     c = build(cfg)
     pid = c.servers[0].proc.pid
     try:
-        train_colocated(c)
+        train_steps(c)
         assert c.rollout_ctl.version == 2
     finally:
         c.close()

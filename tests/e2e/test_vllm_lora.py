@@ -50,7 +50,7 @@ def test_vllm_serves_the_adapters_it_was_sent(tmp_path):
             base = asyncio.run(engine.agenerate(ids, greedy))
             for version in (1, 2):
                 sent = adapters(smol, version)
-                engine.update_weights(sent, version)
+                engine.load_weights(sent, version)
                 remote = asyncio.run(engine.agenerate(ids, greedy))
                 model = load_model(smol, dtype="float32")
                 merge_into(model.state_dict(keep_vars=True), dict(sent), {})

@@ -24,9 +24,10 @@ from relayrl.engine.base import SamplingParams
 from relayrl.engine.rollout import RolloutController
 from relayrl.models import load_model
 from relayrl.run.build import build
-from relayrl.run.loop import train_async, train_colocated
+from relayrl.run.loop import train_steps
 from relayrl.tracking.trajectories import load_trajectories
 from relayrl.trainer.algo import LossInputs, behav_weights, policy_loss
+from relayrl.weights.snapshot import Weights
 
 
 @pytest.fixture
@@ -55,7 +56,7 @@ def test_no_trained_sample_exceeds_the_staleness_bound(tiny_path, data, tmp_path
         "scheduler.mode": "async", "scheduler.max_staleness": max_staleness, "scheduler.max_concurrency": 6,
         "agent.kind": "agents_for_tests:LongTailAgent", "run.steps": 6, "run.seed": seed,
         "sampling.max_new_tokens": 40})
-    c = run(cfg, train_async)
+    c = run(cfg, train_steps)
     recs = load_trajectories(c.run_dir)
     assert len(recs) == 6 * 2 * 2
     for r in recs:  # trained at step k means by the policy of version k - 1
@@ -74,9 +75,9 @@ def batches(run_dir):
 
 
 def test_staleness_zero_gives_the_same_batches_as_sync(tiny_path, data, tmp_path):
-    sync = run(cfg_for(tiny_path, data, tmp_path, "sync"), train_colocated)
+    sync = run(cfg_for(tiny_path, data, tmp_path, "sync"), train_steps)
     asyn = run(cfg_for(tiny_path, data, tmp_path, "async0", **{"scheduler.mode": "async",
-                                                               "scheduler.max_staleness": 0}), train_async)
+                                                               "scheduler.max_staleness": 0}), train_steps)
     assert batches(sync.run_dir) == batches(asyn.run_dir)
     for (n, a), (_, b) in zip(sync.train_ctl.engine.model.named_parameters(),
                               asyn.train_ctl.engine.model.named_parameters()):
@@ -94,7 +95,7 @@ def test_interrupted_generation_is_resubmitted(tiny_path, mode):
                                                 rid="t"))
         while not eng.halted.is_set():  # 15 tokens generated with version 0
             await asyncio.sleep(0.001)
-        ctl.update_weights(lambda: [(n, p + 0.3 * torch.randn_like(p)) for n, p in model.named_parameters()], 1)
+        ctl.load_weights(Weights(lambda: [(n, p + 0.3 * torch.randn_like(p)) for n, p in model.named_parameters()], 1))
         if mode == "continue":
             eng.abort("t")  # e.g. a remote server dropping requests on a weight update
         eng.resume()
@@ -136,7 +137,7 @@ def test_decoupled_weights_and_loss_by_hand():
 def test_decoupled_training_reports_importance_weights(tiny_path, data, tmp_path):
     c = run(cfg_for(tiny_path, data, tmp_path, "dec", **{"scheduler.mode": "async", "scheduler.max_staleness": 2,
                                                         "algo.decoupled": True, "algo.behav_weight_cap": 2.0}),
-            train_async)
+            train_steps)
     rows = [r for r in read_jsonl(c.run_dir / "metrics.jsonl") if "train/loss" in r]
     assert all("train/behav_weight_mean" in r and "train/behav_capped_frac" in r for r in rows)
     assert rows[0]["train/behav_weight_mean"] == pytest.approx(1.0, abs=1e-3)  # fp32 engine = trainer at v0
@@ -144,7 +145,7 @@ def test_decoupled_training_reports_importance_weights(tiny_path, data, tmp_path
 
 def test_group_filter_keeps_only_mixed_groups_and_the_batch_size(tiny_path, data, tmp_path):
     c = run(cfg_for(tiny_path, data, tmp_path, "filter", **{"scheduler.group_filter": "mixed", "data.group_size": 3}),
-            train_colocated)
+            train_steps)
     recs = load_trajectories(c.run_dir)
     by_group = {}
     for r in recs:
@@ -156,7 +157,7 @@ def test_group_filter_keeps_only_mixed_groups_and_the_batch_size(tiny_path, data
 def test_over_sampling_keeps_the_first_groups(tiny_path, data, tmp_path):
     c = run(cfg_for(tiny_path, data, tmp_path, "over", **{"scheduler.over_sample": 1.0,
                                                          "agent.kind": "agents_for_tests:LongTailAgent"}),
-            train_colocated)
+            train_steps)
     rows = [r for r in read_jsonl(c.run_dir / "metrics.jsonl") if "train/loss" in r]
     assert all(r["rollout/samples"] == 4 for r in rows)
     assert sum(r["rollout/groups_dropped"] for r in rows) >= 3
@@ -172,7 +173,7 @@ def test_a_producer_failure_stops_the_run_with_the_real_error(tiny_path, tmp_pat
     t0 = time.perf_counter()
     try:
         with pytest.raises(RuntimeError, match="producer failed") as info:
-            train_async(c)
+            train_steps(c)
         assert isinstance(info.value.__cause__, ZeroDivisionError)
     finally:
         c.close()

@@ -8,7 +8,7 @@ from conftest import tiny_run_args, write_sums
 from relayrl.common.files import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.run.build import build
-from relayrl.run.loop import train_async
+from relayrl.run.loop import train_steps
 
 
 def test_an_async_run_with_over_sampling_and_a_tail_batch(tiny_path, tmp_path):
@@ -20,7 +20,7 @@ def test_an_async_run_with_over_sampling_and_a_tail_batch(tiny_path, tmp_path):
     c = build(cfg)
     try:
         assert c.env.scheduler.manager.extra == 1 and c.env.eval_scheduler.preempts is c.env.scheduler
-        train_async(c)
+        train_steps(c)
     finally:
         c.close()
     rows = list(read_jsonl(c.run_dir / "metrics.jsonl"))

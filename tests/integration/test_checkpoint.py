@@ -23,7 +23,7 @@ from relayrl.config.schema import load_run_config
 from relayrl.data import DataManager
 from relayrl.run import checkpoint
 from relayrl.run.build import build
-from relayrl.run.loop import train_async, train_colocated
+from relayrl.run.loop import train_steps
 from relayrl.tracking.trajectories import load_trajectories
 
 
@@ -36,7 +36,7 @@ def args_for(tiny_path, data, tmp_path, name, **extra):
     return tiny_run_args(tiny_path, data, tmp_path, **{"run.steps": 4, "run.name": name, **extra})
 
 
-def run(tiny_path, data, tmp_path, name, loop=train_colocated, **extra):
+def run(tiny_path, data, tmp_path, name, loop=train_steps, **extra):
     c = build(load_run_config(None, args_for(tiny_path, data, tmp_path, name, **extra)))
     try:
         loop(c)
@@ -141,7 +141,7 @@ def test_rotation_incomplete_checkpoints_and_write_failures(tiny_path, data, tmp
 def test_async_checkpoint_requeues_what_was_not_trained(tiny_path, data, tmp_path):
     """At each checkpoint, every prompt the loader handed out is either trained or saved to be generated
     again, exactly once (the producer had groups in flight and in the buffer)."""
-    c = run(tiny_path, data, tmp_path, "async", loop=train_async, **{
+    c = run(tiny_path, data, tmp_path, "async", loop=train_steps, **{
         "scheduler.mode": "async", "scheduler.max_staleness": 1, "run.steps": 2, "run.checkpoint_every": 1,
         "data.shuffle": False, "agent.kind": "agents_for_tests:LongTailAgent", "sampling.max_new_tokens": 30})
     number = re.compile(r"What is (\d+) \+")

@@ -15,7 +15,7 @@ from relayrl.common.files import read_jsonl
 from relayrl.config.schema import AlgoConfig, TrainConfig
 from relayrl.models import load_model
 from relayrl.run.build import build
-from relayrl.run.loop import train_colocated
+from relayrl.run.loop import train_steps
 from relayrl.trainer.algo import discounted_cumsum, explained_variance, gae, value_loss
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
@@ -194,7 +194,7 @@ def test_two_training_steps_per_preset(preset, keys, tiny_run):
                       "run.log_trajectories": False})
     c = build(cfg)
     try:
-        train_colocated(c)
+        train_steps(c)
         assert c.train_ctl.version == 2 and c.rollout_ctl.version == 2
         assert (c.train_ctl.critic is not None) == (preset == "ppo")
     finally:

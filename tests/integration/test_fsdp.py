@@ -87,8 +87,7 @@ def worker(model_path: str, out: str) -> None:
         calls, forward = [], engine.forward_logprobs
         engine.forward_logprobs = lambda mb, calls=calls, forward=forward: calls.append(1) or forward(mb)
         results["forward_all"][kind] = (engine.forward_logprobs_all(forward_batch().micro_batches), len(calls))
-    auto = FSDPEngine(load_model(model_path), lr=LR, gradient_checkpointing="auto")
-    results["auto_memory"] = (auto.floor_bytes, auto.gradient_checkpointing)
+    results["floor"] = FSDPEngine(load_model(model_path), lr=LR).floor_bytes
     results["mismatch"] = None
     try:  # rank r drops its last r samples: a batch that differs between ranks must be refused
         make_controller(FSDPEngine(load_model(model_path), lr=LR), "sgd").fit(make_samples()[: 9 - rank])
@@ -201,13 +200,13 @@ def test_fsdp_gradient_checkpointing_gives_the_same_step(worlds):
 
 
 def test_fsdp_memory_floor_is_the_whole_models_on_every_rank(worlds, tiny_path):
-    """The start line's floor (relayrl.run.build._memory_plan) is the unsharded model's, whatever the world size;
-    "auto" leaves checkpointing off for a model this small next to the machine's RAM."""
+    """The start line's floor (relayrl.run.build._memory_plan) is the unsharded model's, whatever the world size
+    (gradient checkpointing "auto" is decided before the model loads: tests/unit/test_resolve.py)."""
     from relayrl.models import load_model
 
     floor = 16 * sum(p.numel() for p in load_model(tiny_path).parameters())
     for ws in (1, 2):
-        assert all(rank["auto_memory"] == (floor, False) for rank in worlds[ws].values())
+        assert all(rank["floor"] == floor for rank in worlds[ws].values())
 
 
 def test_fsdp_bf16_mixed_precision(worlds, reference):

@@ -32,7 +32,7 @@ from relayrl.run.launcher import (
     vllm_args_problem,
     vllm_server,
 )
-from relayrl.run.loop import train_colocated
+from relayrl.run.loop import train_steps
 
 
 def _run_config(tiny_path: str, tmp_path: Path, *overrides: str):
@@ -148,7 +148,7 @@ def test_launched_server_gets_its_args_and_its_death_mid_run_names_it_and_its_lo
         with caplog.at_level(logging.ERROR, logger="relayrl.run.launcher"):
             os.kill(server.proc.pid, signal.SIGKILL)  # the server dies while the run uses it
             with pytest.raises(EngineUnavailable, match=server.url.replace(".", r"\.")):
-                train_colocated(c)
+                train_steps(c)
             deadline = time.monotonic() + 5
             while server.death is None and time.monotonic() < deadline:
                 time.sleep(0.05)

@@ -15,7 +15,7 @@ from relayrl.cli import main
 from relayrl.common.files import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.run.build import build
-from relayrl.run.loop import train, train_colocated
+from relayrl.run.loop import train, train_steps
 from relayrl.tracking.plot import plot_run
 
 
@@ -36,7 +36,7 @@ def test_two_training_steps_on_tiny_model(tiny_path, dataset, tmp_path):
     cfg = load_run_config(None, overrides(tiny_path, dataset, tmp_path))
     c = build(cfg)
     try:
-        final = train_colocated(c)
+        final = train_steps(c)
         assert c.train_ctl.version == 2 and c.rollout_ctl.version == 2
         trainer_w = dict(c.train_ctl.engine.model.named_parameters())
         for name, p in c.rollout_ctl.engines[0].model.named_parameters():
@@ -86,7 +86,7 @@ def test_failing_and_hanging_agents_cost_one_sample_each(tiny_path, dataset, tmp
     c = build(cfg)
     try:
         t0 = time.perf_counter()
-        train_colocated(c)
+        train_steps(c)
         assert time.perf_counter() - t0 < bound(30)
     finally:
         c.close()

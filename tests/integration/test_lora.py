@@ -102,7 +102,7 @@ def test_engine_logprobs_equal_trainer_logprobs_after_each_sync(tiny_path, dtype
     try:
         for step in (1, 2):
             ctl.fit(generate(eng))
-            ctl.sync_weights(RolloutController([eng]))
+            RolloutController([eng]).load_weights(ctl.weights())
             samples = generate(eng)
             assert eng.version == step and all(v == step for s in samples for v in s.versions)
             trainer = recomputed(ctl.engine, samples)
@@ -130,7 +130,7 @@ def test_the_payload_is_adapter_only_small_and_travels_by_disk(tiny_path, tmp_pa
     assert set(load_file(str(sent))) == {n for n, _ in payload} and sent.stat().st_size * 10 < full
 
     receiving = engine_for(tiny_path)
-    receiver = DiskReceiver(tmp_path / "w", receiving.update_weights, poll_s=0.01)  # the producer's receiver
+    receiver = DiskReceiver(tmp_path / "w", receiving.load_weights, poll_s=0.01)  # the producer's receiver
     deadline = time.monotonic() + 20
     while receiver.version < 1 and receiver.error is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -138,9 +138,9 @@ def test_the_payload_is_adapter_only_small_and_travels_by_disk(tiny_path, tmp_pa
     assert receiver.error is None and receiving.version == 1
     merged, got = merged_state_dict(ctl.engine.model), dict(receiving.model.named_parameters())
     assert all(torch.equal(got[n], merged[n]) for n in got)
-    receiving.update_weights(plain.named_parameters(), 2)  # full weights become the engine's new base
+    receiving.load_weights(plain.named_parameters(), 2)  # full weights become the engine's new base
     assert all(torch.equal(got[n], p) for n, p in plain.named_parameters())
-    receiving.update_weights(payload, 3)
+    receiving.load_weights(payload, 3)
     assert all(torch.equal(got[n], merged[n]) for n in got)
     receiving.close()
 

@@ -21,7 +21,7 @@ from relayrl.config.schema import load_run_config
 from relayrl.engine import LocalEngine, RemoteEngine, SamplingParams
 from relayrl.models import load_model
 from relayrl.run.build import build
-from relayrl.run.loop import train_colocated
+from relayrl.run.loop import train_steps
 from relayrl.serve.errors import BadRequest
 from relayrl.serve.weights_disk import check_tensors, load_checked
 from relayrl.serve.weights_dist import parse_update
@@ -61,7 +61,7 @@ def lora_run(tiny_path, tmp_path_factory):
         "engine.launch": "relayrl"}))
     c = build(cfg)
     try:
-        train_colocated(c)
+        train_steps(c)
         yield c
     finally:
         c.close()
@@ -88,7 +88,7 @@ def test_adapters_by_broadcast_replace_the_previous_ones(lora_run, tiny_path):
     adapters = [(n, t * 0.5 if n.endswith("lora_B") else t) for n, t in c.train_ctl.engine.named_parameters()]
     engine = RemoteEngine(server.url, weight_sync="distributed", weight_sync_backend="gloo", timeout=60)
     try:
-        engine.update_weights(adapters, 7)
+        engine.load_weights(adapters, 7)
         assert engine.refresh_version() == 7
         outs = remote_generate(engine)
     finally:
@@ -225,7 +225,7 @@ def test_vllm_gets_one_adapter_per_version_and_requests_name_it(lora_run, tmp_pa
         try:
             asyncio.run(engine.agenerate([5, 6], greedy(2)))
             for version in (1, 2, 3):
-                engine.update_weights(adapters, version)
+                engine.load_weights(adapters, version)
                 asyncio.run(engine.agenerate([5, 6], greedy(2)))
         finally:
             engine.close()
@@ -248,6 +248,6 @@ def test_vllm_without_runtime_lora_says_how_to_start_it(lora_run, tmp_path):
                               weights_dir=str(tmp_path / "w"), retries=0)
         try:
             with pytest.raises(Exception, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"):
-                engine.update_weights(lora_run.train_ctl.engine.named_parameters(), 1)
+                engine.load_weights(lora_run.train_ctl.engine.named_parameters(), 1)
         finally:
             engine.close()

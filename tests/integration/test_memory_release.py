@@ -10,8 +10,8 @@ from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.models import load_model
 from relayrl.run.build import build, shares_weights
-from relayrl.run.loop import train_colocated
-from relayrl.run.precision import resolve_precision
+from relayrl.run.loop import train_steps
+from relayrl.run.resolve import resolve
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
 
@@ -29,7 +29,7 @@ def test_released_engine_frees_kv_and_weights_and_comes_back_exact(tiny_path):
         freed = eng.release_memory()
         assert freed >= sum(t.numel() * 4 for t in weights.values())
         assert eng.cache.nbytes() == 0 and all(p.numel() == 0 for p in eng.model.parameters())
-        eng.update_weights(weights.items(), version=1)
+        eng.load_weights(weights.items(), version=1)
         after = eng.generate([[5, 6, 7], [9, 10]], GREEDY)
         assert [o.output_ids for o in after] == [o.output_ids for o in before]
         # equal to float rounding: where the LM head runs on oneDNN (relayrl.engine.linear) its sums may group
@@ -46,7 +46,7 @@ def test_update_after_release_must_bring_every_weight(tiny_path):
         weights = [(n, p.detach().clone()) for n, p in eng.model.named_parameters()]
         eng.release_memory()
         with pytest.raises(ValueError, match="released"):
-            eng.update_weights(weights[1:], version=1)
+            eng.load_weights(weights[1:], version=1)
     finally:
         eng.close()
 
@@ -84,7 +84,7 @@ def _cfg(tiny_path, tmp_path, **extra):
 
 def test_same_dtype_sync_run_shares_one_model_between_engine_and_trainer(tiny_path, tmp_path):
     cfg = _cfg(tiny_path, tmp_path)
-    resolved = lambda **extra: resolve_precision(_cfg(tiny_path, tmp_path, **extra), quiet=True)  # noqa: E731
+    resolved = lambda **extra: resolve(_cfg(tiny_path, tmp_path, **extra), quiet=True)  # noqa: E731
     assert shares_weights(resolved())  # as build asks it: dtypes resolved ("auto" -> fp32 weights here)
     assert not shares_weights(resolved(**{"scheduler.mode": "async"}))
     assert not shares_weights(resolved(**{"engine.dtype": "bfloat16"}))
@@ -92,7 +92,7 @@ def test_same_dtype_sync_run_shares_one_model_between_engine_and_trainer(tiny_pa
     try:
         engine = c.rollout_ctl.engines[0]
         assert engine.model is c.train_ctl.engine.model and not engine.owns_weights
-        train_colocated(c)
+        train_steps(c)
         assert c.train_ctl.version == 2 and engine.version == 2
         assert not engine.model.training  # the trainer hands the model back in eval mode
     finally:
@@ -112,7 +112,7 @@ def test_colocated_step_releases_the_engine_while_training(tiny_path, tmp_path):
             return fit(batch)
 
         c.train_ctl.fit = spy
-        train_colocated(c)
+        train_steps(c)
         assert seen == {"kv": 0, "weights": 0}
         trained = dict(c.train_ctl.engine.model.named_parameters())
         for name, p in engine.model.named_parameters():  # restored by the sync, equal to the trained weights

@@ -11,7 +11,7 @@ from relayrl.common.files import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.run import checkpoint
 from relayrl.run.build import build
-from relayrl.run.loop import train_colocated
+from relayrl.run.loop import train_steps
 
 EXAMPLE = str(Path(__file__).parents[2] / "examples" / "moe_replay.yaml")
 
@@ -30,7 +30,7 @@ def test_grpo_with_routing_replay_trains_checkpoints_and_resumes(tiny_moe_path, 
     c = build(load_run_config(EXAMPLE, [*args, "run.steps=2", "run.resume=auto"]))
     try:
         assert c.step == 1 and c.train_ctl.engine.routing_replay
-        train_colocated(c)
+        train_steps(c)
     finally:
         c.close()
     rows = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "train/loss" in r]

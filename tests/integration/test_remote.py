@@ -6,6 +6,7 @@ servers."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import sys
@@ -16,16 +17,19 @@ import torch
 from conftest import relayrl_servers, write_sums
 from safetensors.torch import load_file
 
+from relayrl.common.errors import InputError
 from relayrl.common.files import read_jsonl
 from relayrl.common.net import free_port
 from relayrl.config.loader import ConfigError
 from relayrl.config.schema import load_run_config
 from relayrl.engine import EngineUnavailable, LocalEngine, RemoteEngine, SamplingParams
+from relayrl.engine.dialects import SGLangDialect
 from relayrl.engine.rollout import RolloutController
 from relayrl.models import eos_token_ids, load_model, load_tokenizer
-from relayrl.run.build import build
+from relayrl.run.build import build, check_user_code
 from relayrl.run.launcher import ManagedServer, relayrl_server
-from relayrl.run.loop import train_colocated
+from relayrl.run.loop import train_steps
+from relayrl.weights.snapshot import Weights
 
 
 def greedy(n: int) -> SamplingParams:
@@ -78,6 +82,56 @@ def test_vllm_dialect_over_openai_completions(servers, tiny_path):
     assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
 
 
+class CountingDialect(SGLangDialect):
+    """A user's dialect (engine.backend="module:Class"): SGLang's API, counting every call the engine makes of it."""
+
+    def __init__(self, server, model=None):
+        super().__init__(server, model)
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    async def generate(self, *args):
+        self.calls["generate"] += 1
+        return await super().generate(*args)
+
+    async def load_from_disk(self, path: str, version: int) -> None:
+        self.calls["load_from_disk"] += 1
+        await super().load_from_disk(path, version)
+
+    async def pause(self) -> None:
+        self.calls["pause"] += 1
+        await super().pause()
+
+    async def resume(self) -> None:
+        self.calls["resume"] += 1
+        await super().resume()
+
+    async def abort(self, rid: str | None) -> int:
+        self.calls["abort"] += 1
+        return await super().abort(rid)
+
+    async def weight_version(self) -> int | None:
+        self.calls["weight_version"] += 1
+        return await super().weight_version()
+
+
+def test_a_users_dialect_by_import_path_drives_relayrl_serve(servers, tiny_path, tmp_path):
+    engine = RemoteEngine(servers[0].url, backend=f"{__name__}:CountingDialect", weights_dir=str(tmp_path / "w"))
+    model = load_model(tiny_path, dtype="float32")  # the servers' own weights: the module's other tests see no change
+    try:
+        first = asyncio.run(engine.agenerate([5, 6, 7], greedy(4)))
+        engine.pause()
+        engine.resume()
+        assert engine.abort("nobody") == 0
+        engine.load_weights(model.named_parameters(), version=4)
+        again = asyncio.run(engine.agenerate([5, 6, 7], greedy(4)))
+        assert engine.refresh_version() == 4 and again.versions == [4] * 4 and again.output_ids == first.output_ids
+    finally:
+        engine.load_weights(model.named_parameters(), version=0)
+        engine.close()
+    assert engine.dialect.calls == {"generate": 2, "pause": 1, "resume": 1, "abort": 1, "load_from_disk": 2,
+                                    "weight_version": 1}
+
+
 def test_two_servers_sticky_per_trajectory(engines):
     ctl = RolloutController(engines)
 
@@ -100,7 +154,7 @@ def test_weight_sync_from_disk_changes_outputs(engines, tiny_path, tmp_path):
         for p in model.parameters():
             p.add_(0.5 * torch.randn_like(p))
     try:
-        ctl.update_weights(model.named_parameters, version=1)
+        ctl.load_weights(Weights(model.named_parameters, 1))
         after = [asyncio.run(e.agenerate([5, 6, 7], greedy(8))) for e in engines]
         assert ctl.version == 1 and all(o.versions == [1] * 8 for o in after)
         assert after[0].output_ids != before[0].output_ids and after[0].output_ids == after[1].output_ids
@@ -108,13 +162,13 @@ def test_weight_sync_from_disk_changes_outputs(engines, tiny_path, tmp_path):
         ref = local.generate([[5, 6, 7]], greedy(8))[0]
         local.close()
         assert after[0].output_ids == ref.output_ids  # the servers now run exactly the trainer's weights
-        ctl.update_weights(model.named_parameters, version=2)
-        ctl.update_weights(model.named_parameters, version=3)
+        ctl.load_weights(Weights(model.named_parameters, 2))
+        ctl.load_weights(Weights(model.named_parameters, 3))
         kept = sorted(p.name for p in (tmp_path / "weights").iterdir())
         assert kept == ["v2", "v3"]  # older versions are deleted, no temp folders are left
     finally:
         zero = load_model(tiny_path, dtype="float32")  # the servers are shared by the module: restore them
-        ctl.update_weights(zero.named_parameters, version=0)
+        ctl.load_weights(Weights(zero.named_parameters, 0))
 
 
 def test_bf16_servers_are_sent_stochastically_rounded_bf16(servers, tiny_path, tmp_path):
@@ -128,7 +182,7 @@ def test_bf16_servers_are_sent_stochastically_rounded_bf16(servers, tiny_path, t
             p.copy_(start[n] + 0.25 * torch.where(start[n] == 0, 0.0, 2.0 ** (torch.frexp(start[n]).exponent - 8)))
     engine = RemoteEngine(servers[0].url, weights_dir=str(tmp_path / "weights"), retries=1, send_bf16=True)
     try:
-        engine.update_weights(model.named_parameters(), version=1)
+        engine.load_weights(model.named_parameters(), version=1)
         out = asyncio.run(engine.agenerate([5, 6, 7], greedy(4)))
         assert out.versions == [1] * 4  # the server loaded them
         sent = load_file(str(tmp_path / "weights" / "v1" / "model.safetensors"))
@@ -143,7 +197,7 @@ def test_bf16_servers_are_sent_stochastically_rounded_bf16(servers, tiny_path, t
         engine.close()
         zero = load_model(tiny_path, dtype="float32")  # the servers are shared by the module: restore them exactly
         with contextlib.closing(RemoteEngine(servers[0].url, weights_dir=str(tmp_path / "restore"))) as plain:
-            plain.update_weights(zero.named_parameters(), version=0)
+            plain.load_weights(zero.named_parameters(), version=0)
 
 
 def test_killed_server_mid_rollout_retries_then_names_the_address(tiny_path, tmp_path):
@@ -197,8 +251,11 @@ def test_remote_config_errors(tiny_path):
         load_run_config(None, [f"model.path={tiny_path}", "engine.kind=remote"])
     with pytest.raises(ConfigError, match="engine.addresses.*bad engine address"):
         load_run_config(None, [f"model.path={tiny_path}", "engine.kind=remote", "engine.addresses=[localhost]"])
-    with pytest.raises(ConfigError, match="engine.backend"):
-        load_run_config(None, [f"model.path={tiny_path}", "engine.kind=remote", "engine.launch=vllm"])
+    cfg = load_run_config(None, [f"model.path={tiny_path}", "engine.kind=remote", "engine.launch=vllm"])
+    with pytest.raises(InputError, match="engine.backend: 'sglang' does not speak"):  # checked at start-up
+        RemoteEngine.from_config(cfg.engine, ["http://127.0.0.1:1"], "unused")
+    with pytest.raises(InputError, match="engine.backend: 'sglang' does not speak"):  # before a server or model starts
+        check_user_code(cfg)
 
 
 def test_train_two_steps_on_launched_servers(tiny_path, tmp_path):
@@ -211,7 +268,7 @@ def test_train_two_steps_on_launched_servers(tiny_path, tmp_path):
     c = build(cfg)
     pids = [s.proc.pid for s in c.servers]
     try:
-        train_colocated(c)
+        train_steps(c)
         assert c.rollout_ctl.version == 2 and all(e.refresh_version() == 2 for e in c.rollout_ctl.engines)
     finally:
         c.close()

@@ -8,7 +8,7 @@ from conftest import tiny_run_args, write_sums
 from relayrl.cli import main
 from relayrl.common.files import read_jsonl
 from relayrl.config.schema import load_run_config
-from relayrl.run.precision import resolve_precision
+from relayrl.run.resolve import resolve
 
 METRICS = ["train/mismatch_kl", "train/rollout_is_mean", "train/rollout_is_min", "train/rollout_is_max",
            "train/rollout_is_truncated_frac", "train/rollout_is_masked_frac", "train/rollout_is_vetoed_frac"]
@@ -37,7 +37,7 @@ def test_a_bf16_engine_run_is_corrected_and_reports_it(tiny_path, tmp_path, caps
     (["engine.dtype=bfloat16", "algo.rollout_correction.enabled=false"], False, "set in the config"),
 ])
 def test_the_default_follows_the_precisions(over, on, why, capsys):
-    cfg = resolve_precision(load_run_config(None, ["data.train.source=rows.jsonl", *over]))
+    cfg = resolve(load_run_config(None, ["data.train.source=rows.jsonl", *over]))
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("rollout correction: "))
     assert cfg.algo.rollout_correction.enabled is on and line.startswith(f"rollout correction: {'on' if on else 'off'}")
     assert why in line

@@ -14,14 +14,14 @@ from test_async import batches, cfg_for, data  # noqa: F401 - fixtures
 
 from relayrl.common.files import read_jsonl
 from relayrl.run.build import build
-from relayrl.run.loop import train_async, train_colocated
+from relayrl.run.loop import train_steps
 from relayrl.tracking.trajectories import load_trajectories
 
 
 def run_separate(cfg):
     c = build(cfg, role="trainer")
     try:
-        train_async(c)
+        train_steps(c)
     finally:
         c.close()
     return c
@@ -31,7 +31,7 @@ def run_separate(cfg):
 def test_max_staleness_zero_matches_sync_across_processes(tiny_path, data, tmp_path, transport):  # noqa: F811
     sync = build(cfg_for(tiny_path, data, tmp_path, "sync"))
     try:
-        train_colocated(sync)
+        train_steps(sync)
     finally:
         sync.close()
     sep = run_separate(cfg_for(tiny_path, data, tmp_path, f"sep-{transport}", **{
@@ -80,7 +80,7 @@ def test_a_failing_producer_stops_the_trainer_with_its_traceback(tiny_path, data
     c = build(cfg, role="trainer")
     try:
         with pytest.raises(RuntimeError, match="producer process failed") as info:
-            train_async(c)
+            train_steps(c)
         assert "broken agent: bad kwargs" in str(info.value)
     finally:
         c.close()

@@ -21,7 +21,7 @@ from relayrl.common.files import read_jsonl
 from relayrl.config.schema import load_run_config
 from relayrl.run import checkpoint
 from relayrl.run.build import build
-from relayrl.run.loop import train_async
+from relayrl.run.loop import train_steps
 from relayrl.tracking.trajectories import load_trajectories
 
 NUMBER = re.compile(r"What is (\d+) \+")
@@ -83,7 +83,7 @@ def test_kill_9_of_a_separate_async_run_then_resume(tiny_path, tmp_path):
         loaded = c.rollouts.state_dict()
         loaded["data"]["generator"] = saved["data"]["generator"]
         assert difference(loaded, saved) is None
-        train_async(c)
+        train_steps(c)
     finally:
         c.close()
 

@@ -205,7 +205,7 @@ def test_poisoned_weight_updates_are_refused_and_old_weights_serve(server, http,
         poisoned = [(n, p.detach().clone()) for n, p in model.named_parameters()]
         poisoned[-1][1][0] = float("inf")
         with pytest.raises(Exception, match="NaN or infinite"):
-            engine.update_weights(poisoned, 7)
+            engine.load_weights(poisoned, 7)
     finally:
         engine.close()
     after = generate(server.url, http)  # logprobs too: no 500, the same weights as before

@@ -17,7 +17,7 @@ from relayrl.config import ConfigError
 from relayrl.config.schema import Config, load_run_config
 from relayrl.config.trackers import WandbConfig
 from relayrl.run.build import build
-from relayrl.run.loop import train_colocated
+from relayrl.run.loop import train_steps
 from relayrl.tracking.metrics import MetricsLogger
 from relayrl.tracking.trackers import wandb_mode
 
@@ -140,7 +140,7 @@ def test_resume_continues_the_same_wandb_and_mlflow_runs(tiny_path, tmp_path, wa
     for more in ({"run.steps": 2}, {"run.steps": 4, "run.resume": "auto"}):
         c = build(load_run_config(None, tiny_run_args(tiny_path, data, tmp_path, **extra, **more)))
         try:
-            train_colocated(c)
+            train_steps(c)
         finally:
             c.close()
     run_dir = tmp_path / "t"

@@ -18,7 +18,7 @@ from relayrl.config.schema import load_run_config
 from relayrl.judge import WorkerCrashed
 from relayrl.run import checkpoint
 from relayrl.run.build import build
-from relayrl.run.loop import train_colocated
+from relayrl.run.loop import train_steps
 from relayrl.tracking.trajectories import load_trajectories
 
 TAGS = {0: " NAN", 1: " HUGE", 3: " SOLO"}
@@ -36,7 +36,7 @@ def tagged(tmp_path):
 def run(cfg):
     c = build(cfg)
     try:
-        train_colocated(c)
+        train_steps(c)
     finally:
         c.close()
     return c

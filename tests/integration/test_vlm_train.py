@@ -16,7 +16,7 @@ from relayrl.config.schema import load_run_config
 from relayrl.models.vision import load_processor
 from relayrl.run import checkpoint
 from relayrl.run.build import build
-from relayrl.run.loop import train_colocated
+from relayrl.run.loop import train_steps
 
 REPO = Path(__file__).parents[2]
 EXAMPLE = str(REPO / "examples" / "vlm_squares.yaml")
@@ -41,7 +41,7 @@ def test_grpo_on_images_trains_checkpoints_and_resumes(tiny_vlm_path, tmp_path, 
     c = build(load_run_config(EXAMPLE, [*args, "run.steps=2", "run.resume=auto"]))
     try:
         assert c.step == 1
-        train_colocated(c)
+        train_steps(c)
     finally:
         c.close()
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r]

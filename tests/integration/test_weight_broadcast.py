@@ -19,6 +19,7 @@ import torch
 from bounds import bound
 from conftest import relayrl_servers, write_sums
 
+from relayrl.common.errors import InputError
 from relayrl.common.files import read_jsonl
 from relayrl.common.net import free_port
 from relayrl.config.loader import ConfigError
@@ -28,7 +29,8 @@ from relayrl.engine.rollout import RolloutController
 from relayrl.models import load_model
 from relayrl.run.build import build
 from relayrl.run.launcher import relayrl_server
-from relayrl.run.loop import train_colocated
+from relayrl.run.loop import train_steps
+from relayrl.weights.snapshot import Weights
 from relayrl.weights.weight_group import WeightGroup, WeightSyncError
 
 PROMPT = [5, 6, 7]
@@ -89,10 +91,10 @@ def test_broadcast_makes_the_server_run_the_trainers_weights(servers, tiny_path)
     try:
         before = asyncio.run(engine.agenerate(PROMPT, greedy())).output_ids
         first, second = perturbed(tiny_path, 1), perturbed(tiny_path, 2)
-        engine.update_weights(first.named_parameters(), 5)
+        engine.load_weights(first.named_parameters(), 5)
         assert_serves(engine, first, 5)
         assert reference(first).output_ids != before  # the weights really changed
-        engine.update_weights(second.named_parameters(), 6)  # the same group, reused
+        engine.load_weights(second.named_parameters(), 6)  # the same group, reused
         assert_serves(engine, second, 6)
         assert engine.weight_group.group_name is not None and engine.weight_group.members == [engine]
     finally:
@@ -107,7 +109,7 @@ def test_one_group_feeds_every_server_with_one_broadcast(servers, tiny_path, mon
     ctl = RolloutController(engines)
     model = perturbed(tiny_path, 3)
     try:
-        ctl.update_weights(model.named_parameters, version=7)
+        ctl.load_weights(Weights(model.named_parameters, 7))
         assert sends == [3]  # trainer + 2 servers, one broadcast for both engines
         for engine in engines:
             assert_serves(engine, model, 7)
@@ -193,7 +195,7 @@ def test_a_server_dying_mid_broadcast_is_a_clear_error_not_a_hang(servers, tiny_
     # and answers within the settle; at 20 s it answered after it, as "no answer in time"
     survivor, dying = engines = distributed([servers[0].url, doomed.url], timeout=min(bound(10.0), 12.0))
     try:
-        survivor.update_weights(perturbed(tiny_path, 4).named_parameters(), 1)  # forms the group: both get v1
+        survivor.load_weights(perturbed(tiny_path, 4).named_parameters(), 1)  # forms the group: both get v1
         sent = []
         send = WeightGroup._broadcast_one
 
@@ -207,7 +209,7 @@ def test_a_server_dying_mid_broadcast_is_a_clear_error_not_a_hang(servers, tiny_
         monkeypatch.setattr(WeightGroup, "_broadcast_one", kill_after_first)
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError, match=doomed.url.replace(".", r"\.")) as info:
-            survivor.update_weights(perturbed(tiny_path, 5).named_parameters(), 2)
+            survivor.load_weights(perturbed(tiny_path, 5).named_parameters(), 2)
         # a hang would wait out timeout + 60 s; on a loaded 2-core CI run the dead server's retries took 15 s
         assert time.monotonic() - t0 < bound(30), info.value
         monkeypatch.undo()
@@ -215,7 +217,7 @@ def test_a_server_dying_mid_broadcast_is_a_clear_error_not_a_hang(servers, tiny_
         assert survivor.refresh_version() == 1 and survivor.health()  # and it kept its old weights, whole
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError, match=doomed.url.replace(".", r"\.")):
-            survivor.update_weights(perturbed(tiny_path, 5).named_parameters(), 2)  # no new group without it
+            survivor.load_weights(perturbed(tiny_path, 5).named_parameters(), 2)  # no new group without it
         assert time.monotonic() - t0 < bound(10)
     finally:
         for e in engines:
@@ -268,9 +270,10 @@ os._exit(0)  # torch's gloo threads sometimes abort in interpreter teardown, aft
 def test_config_and_engine_refuse_what_cannot_work(tiny_path):
     with pytest.raises(ConfigError, match="engine.weight_sync.*kind=remote"):
         load_run_config(None, [f"model.path={tiny_path}", "engine.weight_sync=distributed"])
-    with pytest.raises(ConfigError, match="engine.weight_sync.*backend=sglang"):
-        load_run_config(None, [f"model.path={tiny_path}", "engine.kind=remote", "engine.launch=vllm",
-                               "engine.backend=vllm", "engine.weight_sync=distributed"])
+    cfg = load_run_config(None, [f"model.path={tiny_path}", "engine.kind=remote", "engine.launch=vllm",
+                                 "engine.backend=vllm", "engine.weight_sync=distributed"])
+    with pytest.raises(InputError, match="engine.weight_sync=distributed needs backend=sglang"):  # at start-up
+        RemoteEngine.from_config(cfg.engine, ["http://127.0.0.1:1"], "unused")
     with pytest.raises(ValueError, match="engine.weight_sync=distributed needs backend=sglang"):
         RemoteEngine("http://127.0.0.1:1", backend="vllm", weight_sync="distributed")
     with pytest.raises(ValueError, match="weight_sync_backend"):
@@ -290,7 +293,7 @@ def test_train_two_steps_syncing_by_broadcast(servers, tiny_path, tmp_path):
         "engine.weight_sync_backend=gloo"])
     c = build(cfg)
     try:
-        train_colocated(c)
+        train_steps(c)
         assert c.rollout_ctl.version == 2 and all(e.refresh_version() == 2 for e in c.rollout_ctl.engines)
         assert len({id(e.weight_group) for e in c.rollout_ctl.engines}) == 1  # one group for both servers
     finally:
@@ -310,7 +313,7 @@ def test_nccl_broadcast(tiny_path, tmp_path, monkeypatch):
                                          weight_sync_backend="nccl", timeout=60.0, retries=0)
     try:
         model = perturbed(tiny_path, 6)
-        engine.update_weights(model.named_parameters(), 3)
+        engine.load_weights(model.named_parameters(), 3)
         assert_serves(engine, model, 3)
     finally:
         engine.close()

@@ -17,7 +17,7 @@ from relayrl.config.loader import ConfigError
 from relayrl.config.schema import AlgoConfig, TrainConfig, load_run_config
 from relayrl.models import load_model, stored_parameters
 from relayrl.run.build import _memory_plan
-from relayrl.run.precision import resolve_precision
+from relayrl.run.resolve import resolve as resolve_run
 from relayrl.trainer import optim
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
@@ -99,7 +99,7 @@ def test_a_bf16_trainer_learns_as_an_fp32_one(tiny_path):
 
 
 def test_the_floor_of_bf16_weights_is_8_bytes_a_parameter(tiny_path):
-    cfg = load_run_config(None, [f"model.path={tiny_path}", "model.train_dtype=bfloat16"])
+    cfg = resolve_run(load_run_config(None, [f"model.path={tiny_path}", "model.train_dtype=bfloat16"]), quiet=True)
     engine = TrainEngine(load_model(tiny_path, dtype="bfloat16"))
     n = sum(p.numel() for p in engine.model.parameters())
     assert (engine.floor_bytes, engine.floor_params) == (8 * n, n)
@@ -141,14 +141,14 @@ def test_a_run_resolves_auto_from_the_parameters_its_folder_stores(tiny_path, mo
     n = sum(p.numel() for p in load_model(tiny_path).parameters())
     assert stored_parameters(tiny_path) == n
     monkeypatch.setattr(hardware, "bf16_support", lambda device="cpu": hardware.Bf16Support(True, "simulated"))
-    cfg = resolve_precision(load_run_config(None, [f"model.path={tiny_path}"]))
+    cfg = resolve_run(load_run_config(None, [f"model.path={tiny_path}"]))
     assert cfg.model.train_dtype == "float32"  # a tiny model on this machine
     monkeypatch.setattr(precision, "device_memory_bytes", lambda device: 16 * n)  # a device the fp32 floor fills
-    cfg = resolve_precision(load_run_config(None, [f"model.path={tiny_path}"]))
+    cfg = resolve_run(load_run_config(None, [f"model.path={tiny_path}"]))
     assert cfg.model.train_dtype == "bfloat16" and cfg.engine.dtype == "bfloat16"
     assert "trainer bfloat16 weights" in capsys.readouterr().out
     assert build.shares_weights(cfg)  # one bf16 model for engine and trainer
-    lora = resolve_precision(load_run_config(None, [f"model.path={tiny_path}", "model.lora_rank=4"]))
+    lora = resolve_run(load_run_config(None, [f"model.path={tiny_path}", "model.lora_rank=4"]))
     assert lora.model.train_dtype == "float32"
 
 

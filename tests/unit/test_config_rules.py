@@ -117,9 +117,9 @@ def test_cli_prints_input_errors_without_a_traceback_and_leaves_no_folder(tiny_p
         (["judge.kwargs={format_bonsu: 0.1}"], "config error: judge.kwargs.format_bonsu: unknown argument for "
                                                "reward function math_reward; its keyword arguments are answer_key, "
                                                "format_bonus"),
-        (["judge.reward_fn=agents_for_tests:no_such_fn"], "config error: judge.reward_fn: module "
+        (["judge.reward_fn=agents_for_tests:no_such_fn"], "error: judge.reward_fn: module "
                                                           "'agents_for_tests' has no attribute 'no_such_fn'"),
-        (["agent.kind=no_such_module:Agent"], "config error: agent.kind: cannot import module 'no_such_module'"),
+        (["agent.kind=no_such_module:Agent"], "error: agent.kind: cannot import module 'no_such_module'"),
         (["agent.kind=reflection", "agent.kwargs={max_turn: 3}"], "config error: agent.kwargs.max_turn: unknown "
                                                                    "option for agent ReflectionAgent; its options are "
                                                                    "max_turns"),

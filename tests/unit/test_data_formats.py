@@ -16,7 +16,7 @@ from relayrl.data.datasets import BOXED_SUFFIX
 from relayrl.data.formats import prompt_messages
 from relayrl.models import load_tokenizer
 from relayrl.run.build import build
-from relayrl.run.loop import train_colocated
+from relayrl.run.loop import train_steps
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 ASK = {"role": "user", "content": "What is 2+2?"}
@@ -184,7 +184,7 @@ def test_conversational_data_trains_end_to_end(tmp_path, tiny_path, monkeypatch)
     cfg = load_run_config(None, tiny_run_args(tiny_path, src, tmp_path, **over))
     c = build(cfg)
     try:
-        train_colocated(c)
+        train_steps(c)
     finally:
         c.close()
     step = next(r for r in read_jsonl(c.run_dir / "metrics.jsonl") if "train/loss" in r)

@@ -119,19 +119,19 @@ def test_sampling_follows_the_model_distribution(engine, model):
         assert abs(counts[tok] / n - p) < 5 * sd + 1e-3
 
 
-def test_update_weights_changes_outputs_and_stamps_versions(tiny_path):
+def test_load_weights_changes_outputs_and_stamps_versions(tiny_path):
     model = load_model(tiny_path)  # its own copy: the update below changes weights in place
     engine = LocalEngine(model, eos_token_ids=[], max_batch_size=2)
     params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
     before = engine.generate([[5, 6, 7]], params)[0]
     assert set(before.versions) == {0}
     noisy = [(n, p + 0.5 * torch.randn_like(p)) for n, p in model.named_parameters()]
-    engine.update_weights(noisy, version=3)
+    engine.load_weights(noisy, version=3)
     after = engine.generate([[5, 6, 7]], params)[0]
     assert set(after.versions) == {3} and engine.version == 3
     assert after.output_ids != before.output_ids or after.logprobs != before.logprobs
     with pytest.raises(KeyError, match="no parameter"):
-        engine.update_weights([("nope.weight", torch.zeros(1))], version=4)
+        engine.load_weights([("nope.weight", torch.zeros(1))], version=4)
     engine.close()
 
 
@@ -144,7 +144,7 @@ def test_a_bf16_engine_follows_fp32_updates_below_half_a_bf16_step(tiny_path, ro
     start = {n: p.detach().float() for n, p in engine.model.named_parameters()}
     ulp = {n: torch.where(w == 0, 0.0, 2.0 ** (torch.frexp(w).exponent - 8).float()) for n, w in start.items()}
     master = [(n, w + 0.25 * ulp[n]) for n, w in start.items()]  # a fresh tensor each: not the engine's own
-    engine.update_weights(master, version=1)
+    engine.load_weights(master, version=1)
     moved = total = 0
     drift, target = 0.0, 0.0
     for n, p in engine.model.named_parameters():
@@ -168,6 +168,7 @@ def test_a_bf16_engine_on_an_fp32_checkpoint_keeps_updates_below_half_a_bf16_ste
     engine would be the untrained model; as weight sync does, about a quarter of the weights move up one step (both
     the serve path, from_pretrained, and relayrl train/eval's, make_engines)."""
     from relayrl.run.build import make_engines
+    from relayrl.run.resolve import resolve
 
     start_model = load_model(tiny_path, dtype="bfloat16")
     start = {n: p.detach().float() for n, p in start_model.named_parameters()}
@@ -183,7 +184,7 @@ def test_a_bf16_engine_on_an_fp32_checkpoint_keeps_updates_below_half_a_bf16_ste
         engine = LocalEngine.from_pretrained(str(folder), dtype="bfloat16", weight_rounding=rounding)
     else:
         cfg = tiny_run(**{"model.path": str(folder), "engine.dtype": "bfloat16", "engine.weight_rounding": rounding})
-        engine, = make_engines(cfg, str(folder), [], tmp_path / "run", [])
+        engine, = make_engines(resolve(cfg, quiet=True), str(folder), [], tmp_path / "run", [])
     moved = sum(int((p.detach().float() != start[n]).sum()) for n, p in engine.model.named_parameters())
     total = sum(p.numel() for p in engine.model.parameters())
     engine.close()
@@ -305,7 +306,7 @@ def test_weights_change_mid_sequence_partial_rollout(tiny_path, kv_on_update):
         fut = eng.submit([5, 6, 7], SamplingParams(max_new_tokens=40, ignore_eos=True, seed=1))
         assert eng.halted.wait(30)  # 10 tokens generated with version 0
         new = [(n, p + 0.3 * torch.randn_like(p)) for n, p in model.named_parameters()]
-        eng.update_weights(new, version=1)
+        eng.load_weights(new, version=1)
         eng.resume()
         out = fut.result(timeout=30)
     finally:

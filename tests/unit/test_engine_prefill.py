@@ -132,7 +132,7 @@ def test_engine_reuses_the_kept_start_until_its_weights_change(tiny_path):
         assert eng.stats["prefill_tokens"] - before == len(PROMPTS[2]) - len(SYSTEM)  # the start came from the keep
         with torch.no_grad():
             new = {n: p + 0.05 * torch.randn_like(p) for n, p in model.named_parameters()}
-        eng.update_weights(new.items(), version=1)
+        eng.load_weights(new.items(), version=1)
         before = eng.stats["prefill_tokens"]
         assert eng.generate([PROMPTS[2]], params)[0].output_ids == greedy(model, PROMPTS[2])  # the new weights' KV
         assert eng.stats["prefill_tokens"] - before == len(PROMPTS[2])  # the old weights' start was dropped

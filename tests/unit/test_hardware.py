@@ -12,7 +12,7 @@ from bounds import bound
 
 from relayrl.common import hardware
 from relayrl.config.schema import load_run_config
-from relayrl.run.precision import resolve_precision
+from relayrl.run.resolve import resolve
 
 PROBE = "from relayrl.common.hardware import resolve_dtype; print(resolve_dtype('auto')[0])"
 
@@ -66,16 +66,16 @@ def test_trainer_autocast_follows_what_the_hardware_does_natively(monkeypatch, c
     """auto: bf16 autocast in the trainer where bf16 is native (a bf16 engine, or a CPU with AVX512-BF16/AMX),
     fp32 where it is emulated; an explicit setting always wins."""
     monkeypatch.setattr(hardware, "bf16_support", _support(False))  # an AVX2 CPU
-    assert resolve_precision(load_run_config(None, ["engine.dtype=bfloat16"])).model.autocast_bf16 is True
-    assert resolve_precision(load_run_config(None, ["engine.dtype=float32"])).model.autocast_bf16 is False
-    auto = resolve_precision(load_run_config(None, []))
+    assert resolve(load_run_config(None, ["engine.dtype=bfloat16"])).model.autocast_bf16 is True
+    assert resolve(load_run_config(None, ["engine.dtype=float32"])).model.autocast_bf16 is False
+    auto = resolve(load_run_config(None, []))
     assert auto.engine.dtype == "float32" and auto.model.autocast_bf16 is False  # run.device auto: the CPU
-    cfg = resolve_precision(load_run_config(None, ["engine.dtype=float32", "model.autocast_bf16=true"]))
+    cfg = resolve(load_run_config(None, ["engine.dtype=float32", "model.autocast_bf16=true"]))
     assert cfg.model.autocast_bf16 is True
     monkeypatch.setattr(hardware, "bf16_support", _support(True))  # AVX512-BF16 or AMX
-    auto = resolve_precision(load_run_config(None, []))
+    auto = resolve(load_run_config(None, []))
     assert auto.engine.dtype == "bfloat16" and auto.model.autocast_bf16 is True  # bf16 engine, bf16 matmuls
-    cfg = resolve_precision(load_run_config(None, ["model.autocast_bf16=false"]))
+    cfg = resolve(load_run_config(None, ["model.autocast_bf16=false"]))
     assert cfg.engine.dtype == "float32" and cfg.model.autocast_bf16 is False  # an fp32 trainer: one fp32 model
     assert "precision: engine" in capsys.readouterr().out
 

@@ -8,6 +8,7 @@ from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.models import load_model
 from relayrl.run.build import make_engines
+from relayrl.run.resolve import resolve
 
 PROMPTS = [[5, 6, 7, 8, 9], [20, 21], [30] * 17, [5, 6, 7, 8, 9], [40, 41, 42], [7], [50, 51, 52, 53]]
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
@@ -89,7 +90,7 @@ def test_a_request_larger_than_the_budget_fails_clearly(model):
 
 def test_kv_cache_gb_reaches_the_engine_and_is_checked(tiny_run):
     cfg = tiny_run(**{"engine.kv_cache_gb": 0.001})
-    (eng,) = make_engines(cfg, cfg.model.path, [], None, [])
+    (eng,) = make_engines(resolve(cfg, quiet=True), cfg.model.path, [], None, [])
     try:
         assert eng.kv_cache_bytes == 1_000_000
         out = eng.generate([[5, 6, 7]] * 6, SamplingParams(max_new_tokens=8, ignore_eos=True))

@@ -15,6 +15,7 @@ from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.models import load_model
 from relayrl.run.build import make_engines
+from relayrl.run.resolve import resolve
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 SAMPLED = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
@@ -99,7 +100,7 @@ def test_a_bf16_cache_holds_twice_the_sequences_in_the_same_budget(model):
 
 def test_engine_kv_dtype_reaches_the_engine_and_is_checked(tiny_run):
     cfg = tiny_run(**{"engine.kv_dtype": "bfloat16"})
-    (eng,) = make_engines(cfg, cfg.model.path, [], None, [])
+    (eng,) = make_engines(resolve(cfg, quiet=True), cfg.model.path, [], None, [])
     try:
         assert eng.cache.dtype == torch.bfloat16
         assert len(eng.generate([[5, 6, 7]] * 2, SamplingParams(max_new_tokens=4, ignore_eos=True))) == 2

@@ -14,7 +14,7 @@ TOP = {"__init__.py", "__main__.py", "api.py", "cli.py", "sample.py"}  # plus th
 LATE = {
     "relayrl": {"relayrl.agents", "relayrl.api", "importlib"},  # lazy public names: `import relayrl` stays light
     "relayrl.api": {"datasets"},  # HF datasets (slow to import): only when a datasets.Dataset is passed
-    "relayrl.cli": {"relayrl.run.loop", "relayrl.run.ray_launch", "relayrl.tracking.trajectories",
+    "relayrl.cli": {"relayrl.run.loop", "relayrl.run.launch", "relayrl.tracking.trajectories",
                     "relayrl.tracking.plot", "relayrl.models", "relayrl.serve.security", "relayrl.serve.server",
                     "relayrl.run.doctor"},
     "relayrl.config.schema": {"relayrl.models", "relayrl.models.hub"},  # torch/transformers only when checking

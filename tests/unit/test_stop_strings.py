@@ -6,8 +6,8 @@ import pytest
 from stops_for_tests import find_stop, first_hit
 
 from relayrl.engine.base import SamplingParams
+from relayrl.engine.dialects import sglang_sampling
 from relayrl.engine.local import LocalEngine
-from relayrl.engine.remote import _sglang_sampling
 from relayrl.engine.stops import cut_at_stop, first_stop, matched_stop, tail_tokens
 from relayrl.models import eos_token_ids, load_model, load_tokenizer
 
@@ -127,5 +127,5 @@ def test_an_engine_without_decode_refuses_stop_strings(tiny_path):
 
 
 def test_remote_engine_sends_sglang_stop():
-    assert _sglang_sampling(params("a", "bc"))["stop"] == ["a", "bc"]
-    assert "stop" not in _sglang_sampling(params())
+    assert sglang_sampling(params("a", "bc"))["stop"] == ["a", "bc"]
+    assert "stop" not in sglang_sampling(params())

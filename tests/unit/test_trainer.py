@@ -7,16 +7,18 @@ import time
 
 import pytest
 import torch
-from engines_for_tests import rollout
+from engines_for_tests import PROMPTS, rollout
 
 from relayrl.config.schema import AlgoConfig, TrainConfig
 from relayrl.engine.base import SamplingParams
 from relayrl.engine.local import LocalEngine
 from relayrl.engine.rollout import RolloutController
 from relayrl.models import load_model
+from relayrl.sample import Sample
 from relayrl.trainer.controller import TrainController
 from relayrl.trainer.engine import TrainEngine
 from relayrl.trainer.packer import Packer
+from relayrl.weights.snapshot import Weights
 
 
 @pytest.fixture(scope="module")
@@ -146,18 +148,40 @@ def test_decoupled_ppo_with_one_update_takes_prox_logprobs_from_the_training_for
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), n
 
 
-def test_sync_weights_makes_engine_match_trainer(model):
-    samples = rollout(model)
-    ctl, _ = _fit(model, samples, 4096, {})
-    eng = LocalEngine(copy.deepcopy(model), eos_token_ids=[], max_batch_size=2)
+def _logprobs(engine: TrainEngine, samples) -> list[torch.Tensor]:
+    batch = Packer(4096, pad_id=0).pack(samples)
+    for mb in batch.micro_batches:
+        batch.scatter("logp", mb, engine.forward_logprobs(mb))
+    return batch.per_token["logp"]
+
+
+def test_the_engine_loads_the_weights_the_trainer_exposes(model):
+    """TrainController.weights(): the trained tensors and their version, a fresh pass per call (each engine reads
+    its own). The rollout side loads them and the engine then samples with the trainer's logprobs."""
+    ctl, _ = _fit(model, rollout(model), 4096, {})
+    weights = ctl.weights()
+    names = [n for n, _ in ctl.engine.model.named_parameters()]
+    assert weights.version == ctl.version == 1
+    assert [n for n, _ in weights.named_tensors()] == [n for n, _ in weights.named_tensors()] == names
+    eng = LocalEngine(copy.deepcopy(model), eos_token_ids=[], max_batch_size=8, seed=1)
     rc = RolloutController([eng])
-    ctl.sync_weights(rc)
-    assert eng.version == ctl.version == rc.version == 1
-    for (n, a), (_, b) in zip(ctl.engine.model.named_parameters(), eng.model.named_parameters()):
-        assert torch.equal(a, b), n
-    out = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4))[0]
-    assert out.versions == [1] * 4
-    eng.close()
+    try:
+        rc.load_weights(weights)
+        assert eng.version == rc.version == 1
+        for (n, a), (_, b) in zip(ctl.engine.model.named_parameters(), eng.model.named_parameters(), strict=True):
+            assert torch.equal(a, b), n
+        samples = []
+        for g, prompt in enumerate(PROMPTS):
+            for out in eng.generate([prompt] * 2, SamplingParams(max_new_tokens=8)):
+                samples.append(Sample(prompt_ids=list(prompt), group_id=f"g{g}"))
+                samples[-1].append_generated(out.output_ids, out.logprobs, out.versions, out.finish_reason)
+    finally:
+        eng.close()
+    assert all(v == 1 for s in samples for v in s.versions)
+    for s, lp in zip(samples, _logprobs(ctl.engine, samples), strict=True):
+        assert torch.allclose(lp, torch.tensor(s.logprobs), atol=2e-5), s.uid
+    before = torch.cat(_logprobs(TrainEngine(copy.deepcopy(model)), samples))
+    assert (before - torch.cat([torch.tensor(s.logprobs) for s in samples])).abs().max() > 0.05  # the load mattered
 
 
 def test_a_weight_update_counts_the_wait_for_the_engine_to_stop(model):
@@ -176,7 +200,7 @@ def test_a_weight_update_counts_the_wait_for_the_engine_to_stop(model):
     try:
         worker.start()
         held.wait()
-        rc.update_weights(lambda: list(model.named_parameters()), 1)
+        rc.load_weights(Weights(lambda: list(model.named_parameters()), 1))
         worker.join()
         assert 0.25 <= rc.stats["weight_pause_s"] <= rc.stats["weight_update_s"]
         assert eng.version == 1
