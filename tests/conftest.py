@@ -89,6 +89,30 @@ def write_sums(path: Path, n: int) -> str:
 
 
 @contextlib.contextmanager
+def run_folder_held_by_another_process(folder: Path):
+    """A real second process holding `folder`'s run lock (relayrl.run.lock) until the block ends; yields it, so a
+    test can name its pid. Killed on exit: the kernel then drops its lock."""
+    import subprocess
+    import sys
+    import textwrap
+
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from relayrl.run.lock import RunLock
+        RunLock.acquire(Path({str(folder)!r}))
+        print("locked", flush=True)
+        time.sleep(300)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@contextlib.contextmanager
 def relayrl_servers(model_path: str, logs: Path, n: int = 2, weights_root: Path | None = None):
     """n real `relayrl serve` subprocesses of a model (fp32, small batches), healthy, stopped on exit; they load
     weights from disk only from under `weights_root` (none: not at all)."""

@@ -10,15 +10,13 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import orphan_rewards_for_tests as orphans
 import pytest
 import torch
 from bounds import bound
-from conftest import tiny_run_args, write_sums
+from conftest import run_folder_held_by_another_process, tiny_run_args, write_sums
 from safetensors.torch import load_file, save_file
 
 from relayrl.cli import main
@@ -54,20 +52,8 @@ def test_a_second_run_on_a_held_folder_stops_naming_the_first_and_moves_nothing(
     run_dir = tmp_path / "t"
     run_dir.mkdir()
     (run_dir / "notes.txt").write_text("mine")
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import time
-        from pathlib import Path
-        from relayrl.run.lock import RunLock
-        RunLock.acquire(Path({str(run_dir)!r}))
-        print("locked", flush=True)
-        time.sleep(300)
-    """)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with run_folder_held_by_another_process(run_dir) as holder:
         assert train_cli(tiny_path, data, tmp_path, **{"run.resume": "auto"}) == 2
-    finally:
-        holder.kill()
-        holder.wait()
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {run_dir} is in use by another run (pid {holder.pid} on host ") and "\n" not in err
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "notes.txt"]  # nothing moved to superseded/

@@ -16,6 +16,7 @@ from pathlib import Path
 import orphan_rewards_for_tests as orphans
 import pytest
 from bounds import bound
+from conftest import run_folder_held_by_another_process
 
 from relayrl.cli import main
 from relayrl.common.errors import InputError
@@ -116,23 +117,11 @@ def test_run_name_must_be_a_plain_folder_name(name):
 
 # ---- one run per folder ----------------------------------------------------------------------------------
 def test_a_held_run_folder_refuses_a_second_run_naming_the_holder_and_a_dead_holder_blocks_nothing(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import sys, time
-        from pathlib import Path
-        from relayrl.run.lock import RunLock
-        RunLock.acquire(Path({str(tmp_path)!r}))
-        print("locked", flush=True)
-        time.sleep(300)
-    """)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with run_folder_held_by_another_process(tmp_path) as holder:
         with pytest.raises(InputError) as info:
             RunLock.acquire(tmp_path)
         assert f"{tmp_path} is in use by another run (pid {holder.pid} on host {os.uname().nodename}, started " \
                in str(info.value)
-    finally:
-        holder.kill()
-        holder.wait()
     lock = RunLock.acquire(tmp_path)  # the kernel dropped the dead holder's lock; its file is still there
     assert (tmp_path / LOCK_FILE).is_file()
     with pytest.raises(InputError, match=f"pid {os.getpid()} "):  # one lock per folder within a process too
