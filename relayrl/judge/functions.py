@@ -34,7 +34,7 @@ from typing import Any
 
 from relayrl.common.errors import InputError
 from relayrl.common.imports import import_from_path
-from relayrl.common.registry import Registry, is_import_path
+from relayrl.common.registry import Registry
 
 ROW, BATCHED = "row", "batched"
 # built-in rewards judge.reward_fn may name instead of an import path (each module registers its own); workers
@@ -187,13 +187,7 @@ def reward_kwargs_problem(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tup
 def reward_function(spec: str, key: str = "judge.reward_fn") -> Callable[..., Any]:
     """The function `spec` names: a registered name (REWARDS) or an import path; an InputError naming `key` when
     it names nothing, or something that is not callable."""
-    if is_import_path(spec):
-        try:
-            fn = import_from_path(spec)
-        except (ImportError, ValueError) as e:
-            raise InputError(f"{key}: {e}") from None
-    else:
-        fn = REWARDS.get(spec, key)
+    fn = REWARDS.get(spec, key)
     if not callable(fn):
         raise InputError(f"{key}: {spec!r} is a {type(fn).__name__}, not a function")
     return fn
