@@ -17,14 +17,16 @@ from relayrl.config.schema import Config
 from relayrl.models import resolve_model_path, stored_parameters
 
 
-def resolve_precision(cfg: Config, device: torch.device, record: dict[str, dict], quiet: bool = False) -> Config:
+def resolve_precision(cfg: Config, device: torch.device, params: int | None, record: dict[str, dict],
+                      quiet: bool = False) -> Config:
     """engine.dtype "auto" -> bf16 where bf16 is native (unless model.autocast_bf16 is false on a CPU), else
     float32; model.autocast_bf16 "auto" -> bf16 autocast in the trainer where bf16 is native (a bf16 GPU, a CPU
     with AVX512-BF16 or AMX), on the run's resolved `device` (relayrl.common.hardware); then the rollout
     correction. The choice and its reason are printed once (the first line of the run's start block,
-    relayrl/tracking/progress.py) and entered in `record` (Config.resolved)."""
+    relayrl/tracking/progress.py) and entered in `record` (Config.resolved). `params`: the model's parameter count
+    (`model_parameters`), None where unknown or not needed."""
     m = cfg.model
-    train_dtype, train_why = _train_dtype(cfg, device)
+    train_dtype, train_why = _train_dtype(cfg, device, params)
     dtype, why = resolve_dtype(cfg.engine.dtype, device.type, m.autocast_bf16, train_dtype)
     autocast = resolve_autocast(m.autocast_bf16, dtype, device.type)
     record["engine.dtype"] = {"asked": cfg.engine.dtype, "value": dtype, "why": why}
@@ -97,12 +99,9 @@ def model_parameters(path: str) -> int | None:
     return params
 
 
-def _train_dtype(cfg: Config, device: torch.device) -> tuple[str, str]:
+def _train_dtype(cfg: Config, device: torch.device, params: int | None) -> tuple[str, str]:
     """model.train_dtype resolved (relayrl.common.hardware.resolve_train_dtype) from the parameters the model folder
     stores, before any weight is read. LoRA trains small adapters and FSDP shards torch's AdamW: fp32 there."""
-    params = None
-    if cfg.model.train_dtype == "auto":
-        if cfg.model.lora_rank or cfg.train.engine != "local":
-            return "float32", "auto: fp32 for LoRA adapters and FSDP"
-        params = model_parameters(cfg.model.path)
+    if cfg.model.train_dtype == "auto" and (cfg.model.lora_rank or cfg.train.engine != "local"):
+        return "float32", "auto: fp32 for LoRA adapters and FSDP"
     return resolve_train_dtype(cfg.model.train_dtype, device.type, params, device_memory_bytes(device))

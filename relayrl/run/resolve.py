@@ -43,8 +43,11 @@ def resolve(cfg: Config, quiet: bool = False) -> Config:
     record: dict[str, dict[str, Any]] = {}
     note(record, "run.device", cfg.run.device, str(device), SET if cfg.run.device != "auto" else
          "auto: cuda where a CUDA device is usable, else cpu")
-    cfg = resolve_precision(cfg, device, record, quiet)
-    cfg = _checkpointing(cfg, device, record)
+    m = cfg.model  # the parameter count, read once for the two choices that follow from the training floor
+    wanted = not m.lora_rank and "auto" in (m.train_dtype, m.gradient_checkpointing)
+    params = model_parameters(m.path) if wanted else None
+    cfg = resolve_precision(cfg, device, params, record, quiet)
+    cfg = _checkpointing(cfg, device, params, record)
     cfg = _engine(cfg, device, record)
     return dataclasses.replace(cfg, resolved=record)
 
@@ -54,7 +57,7 @@ def note(record: dict[str, dict[str, Any]], key: str, asked: Any, value: Any, wh
     record[key] = {"asked": asked, "value": value, "why": why}
 
 
-def _checkpointing(cfg: Config, device: torch.device, record: dict) -> Config:
+def _checkpointing(cfg: Config, device: torch.device, params: int | None, record: dict) -> Config:
     """model.gradient_checkpointing "auto" -> on when the training floor is a large share of the trainer device's
     memory (relayrl.common.memory.memory_is_tight), the floor counted from the parameters the model folder stores:
     16 bytes each with fp32 weights, 8 with bf16 ones (model.train_dtype, resolved already). LoRA trains small
@@ -62,7 +65,6 @@ def _checkpointing(cfg: Config, device: torch.device, record: dict) -> Config:
     m = cfg.model
     asked, on, why = m.gradient_checkpointing, bool(m.gradient_checkpointing), SET
     if asked == "auto":
-        params = None if m.lora_rank else model_parameters(m.path)
         floor = (16 if m.train_dtype == "float32" else 8) * (params or 0)
         if cfg.train.engine == "fsdp" and device.type == "cuda":
             floor //= dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))

@@ -61,12 +61,12 @@ def test_decisions_that_need_no_model(monkeypatch):
     record: dict = {}
     out = run_resolve._engine(cfg, torch.device("cuda"), record)
     assert out.engine.attention == "sdpa" and "CPU memory" in record["engine.attention"]["why"]
-    monkeypatch.setattr(run_resolve, "model_parameters", lambda path: 10**9)  # a 16 GB fp32 floor
+    params = 10**9  # a 16 GB fp32 floor
     monkeypatch.setattr(run_resolve, "device_memory_bytes", lambda device: 64 * 10**9)  # 25%: tight
     fsdp = load_run_config(None, ["train.engine=fsdp", "model.train_dtype=float32"])
-    assert run_resolve._checkpointing(fsdp, torch.device("cpu"), {}).model.gradient_checkpointing is True
+    assert run_resolve._checkpointing(fsdp, torch.device("cpu"), params, {}).model.gradient_checkpointing is True
     monkeypatch.setenv("WORLD_SIZE", "4")  # 4 GB a GPU rank: 6%
-    assert run_resolve._checkpointing(fsdp, torch.device("cuda"), {}).model.gradient_checkpointing is False
+    assert run_resolve._checkpointing(fsdp, torch.device("cuda"), params, {}).model.gradient_checkpointing is False
 
 
 def test_components_read_the_resolved_device_only(tiny_run, monkeypatch):
